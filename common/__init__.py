@@ -1,0 +1,1 @@
+"""Shared parts of nnx-zoo: layers, config helpers, data, trainer, checkpoints and the CLI."""

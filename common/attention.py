@@ -1,0 +1,209 @@
+"""Multi-head attention (MHA, GQA, MQA by `num_kv_heads`), its masks, and the KV cache.
+
+Causal or bidirectional, optional sliding window, segment ids so packed documents never attend
+to each other, optional QK-norm, QKV bias and logit soft-cap. The position encoding is passed in
+by the model (see common/position.py), so attention never branches on which one it is.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from common import norms
+from common.errors import UserError
+from common.linear import Linear
+from common.position import Position
+
+MASKS = ("causal", "bidirectional")
+IMPLS = ("xla",)
+
+
+def config(
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    head_dim: int,
+    mask: str = "causal",
+    window: int = 0,
+    qkv_bias: bool = False,
+    out_bias: bool = False,
+    qk_norm: str = "none",
+    softcap: float = 0.0,
+    impl: str = "xla",
+) -> ml_collections.ConfigDict:
+  """An attention sub-config. window=0: no sliding window; softcap=0: no soft-cap;
+  qk_norm: "none", "rms" or "layer" (normalises each head's q and k, as Qwen3)."""
+  return ml_collections.ConfigDict(
+      {
+          "num_heads": num_heads,
+          "num_kv_heads": num_kv_heads or num_heads,
+          "head_dim": head_dim,
+          "mask": mask,
+          "window": window,
+          "qkv_bias": qkv_bias,
+          "out_bias": out_bias,
+          "qk_norm": qk_norm,
+          "softcap": softcap,
+          "impl": impl,
+      }
+  )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  """Keys and values of the tokens decoded so far; `index` of them are filled."""
+
+  k_BSKH: jax.Array
+  v_BSKH: jax.Array
+  index: jax.Array  # int32 scalar
+
+  @classmethod
+  def init(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32):
+    shape = (batch, max_len, num_kv_heads, head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+
+def make_mask(
+    q_idx_T: jax.Array,
+    k_idx_S: jax.Array,
+    q_seg_BT: jax.Array,
+    k_seg_BS: jax.Array,
+    *,
+    causal: bool,
+    window: int = 0,
+) -> jax.Array:
+  """[B, T, S] booleans: True where query t may attend to key s."""
+  mask = q_seg_BT[:, :, None] == k_seg_BS[:, None, :]
+  distance_TS = q_idx_T[:, None] - k_idx_S[None, :]
+  if causal:
+    mask &= (distance_TS >= 0)[None]
+  if window:
+    # A window of W: the query and the W - 1 keys before it (and after it, if bidirectional).
+    mask &= (jnp.abs(distance_TS) < window)[None]
+  return mask
+
+
+def attend(
+    q_BTNH: jax.Array,
+    k_BSKH: jax.Array,
+    v_BSKH: jax.Array,
+    *,
+    mask_BTS: jax.Array,
+    bias_BNTS: jax.Array | None = None,
+    softcap: float = 0.0,
+) -> jax.Array:
+  """softmax(q k^T / sqrt(H) + bias) v with grouped heads; the pure-jnp reference path."""
+  B, T, N, H = q_BTNH.shape
+  K = k_BSKH.shape[2]
+  # Query heads grouped per key/value head: [B, T, K, G, H]. With G == 1 (MHA) the 4-D einsum
+  # is used instead: XLA:CPU runs the 5-D form's batched dots ~1.4x slower.
+  grouped = N != K
+  q = q_BTNH.reshape(B, T, K, N // K, H) if grouped else q_BTNH
+  spec_qk, spec_pv = (
+      ("BTKGH,BSKH->BKGTS", "BKGTS,BSKH->BTKGH") if grouped
+      else ("BTNH,BSNH->BNTS", "BNTS,BSNH->BTNH")
+  )
+  logits = jnp.einsum(spec_qk, q, k_BSKH, preferred_element_type=jnp.float32) * (H**-0.5)
+  if softcap:
+    logits = softcap * jnp.tanh(logits / softcap)
+  if bias_BNTS is not None:
+    logits = logits + bias_BNTS.reshape(logits.shape)
+  mask = mask_BTS[:, None, None] if grouped else mask_BTS[:, None]
+  logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v_BSKH.dtype)
+  return jnp.einsum(spec_pv, probs, v_BSKH).reshape(B, T, N, H)
+
+
+class Attention(nnx.Module):
+  def __init__(
+      self,
+      cfg,
+      dim: int,
+      *,
+      norm_eps: float = 1e-6,
+      out_init_std: float = 0.02,
+      dtype=jnp.float32,
+      param_dtype=jnp.float32,
+      rngs: nnx.Rngs,
+  ):
+    if cfg.mask not in MASKS:
+      raise UserError(f"Unknown attention mask {cfg.mask!r}: use one of {MASKS}.")
+    if cfg.impl not in IMPLS:
+      raise UserError(f"Unknown attention impl {cfg.impl!r}: use one of {IMPLS}.")
+    if cfg.num_heads % cfg.num_kv_heads:
+      raise UserError(
+          f"num_heads={cfg.num_heads} is not a multiple of num_kv_heads={cfg.num_kv_heads}: "
+          "each key/value head serves a whole group of query heads."
+      )
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+    self.causal, self.window, self.softcap = cfg.mask == "causal", cfg.window, cfg.softcap
+    self.dtype = dtype
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.q = Linear(dim, N * H, use_bias=cfg.qkv_bias, axes=("D", "NH"), **kw)
+    self.k = Linear(dim, K * H, use_bias=cfg.qkv_bias, axes=("D", "KH"), **kw)
+    self.v = Linear(dim, K * H, use_bias=cfg.qkv_bias, axes=("D", "KH"), **kw)
+    self.o = Linear(
+        N * H, dim, use_bias=cfg.out_bias, axes=("NH", "D"), init_std=out_init_std, **kw
+    )
+    if cfg.qk_norm == "none":
+      self.q_norm = self.k_norm = None
+    else:
+      norm_cfg = norms.config(cfg.qk_norm, eps=norm_eps)
+      self.q_norm = norms.make(norm_cfg, H, dtype=dtype, param_dtype=param_dtype)
+      self.k_norm = norms.make(norm_cfg, H, dtype=dtype, param_dtype=param_dtype)
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    return KVCache.init(batch, max_len, self.num_kv_heads, self.head_dim, self.dtype)
+
+  def __call__(
+      self,
+      x_BTD: jax.Array,
+      *,
+      positions_BT: jax.Array,
+      segment_ids_BT: jax.Array | None = None,
+      position: Position,
+      cache: KVCache | None = None,
+  ) -> tuple[jax.Array, KVCache | None]:
+    B, T, _ = x_BTD.shape
+    N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
+    q_BTNH = self.q(x_BTD).reshape(B, T, N, H)
+    k_BTKH = self.k(x_BTD).reshape(B, T, K, H)
+    v_BTKH = self.v(x_BTD).reshape(B, T, K, H)
+    if self.q_norm is not None:
+      q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+    q_BTNH = position.rotate(q_BTNH, positions_BT)
+    k_BTKH = position.rotate(k_BTKH, positions_BT)
+
+    if segment_ids_BT is None:
+      segment_ids_BT = jnp.ones((B, T), jnp.int32)
+    if cache is None:
+      k_BSKH, v_BSKH = k_BTKH, v_BTKH
+      q_idx_T = k_idx_S = jnp.arange(T)
+      k_seg_BS, k_pos_BS = segment_ids_BT, positions_BT
+    else:
+      # Write the new keys at [index, index + T); slots not written yet get segment 0, which
+      # no query has, so they are never attended to.
+      start = (0, cache.index, 0, 0)
+      k_BSKH = jax.lax.dynamic_update_slice(cache.k_BSKH, k_BTKH.astype(cache.k_BSKH.dtype), start)
+      v_BSKH = jax.lax.dynamic_update_slice(cache.v_BSKH, v_BTKH.astype(cache.v_BSKH.dtype), start)
+      S = k_BSKH.shape[1]
+      q_idx_T, k_idx_S = cache.index + jnp.arange(T), jnp.arange(S)
+      filled_S = k_idx_S < cache.index + T
+      k_seg_BS = jnp.where(filled_S[None], segment_ids_BT[:, :1], 0)
+      k_pos_BS = jnp.broadcast_to(k_idx_S, (B, S))
+      cache = KVCache(k_BSKH, v_BSKH, cache.index + T)
+
+    mask_BTS = make_mask(
+        q_idx_T, k_idx_S, segment_ids_BT, k_seg_BS, causal=self.causal, window=self.window
+    )
+    bias = position.logit_bias(positions_BT, k_pos_BS, N)
+    out_BTNH = attend(
+        q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
+        mask_BTS=mask_BTS, bias_BNTS=bias, softcap=self.softcap,
+    )
+    return self.o(out_BTNH.reshape(B, T, N * H)), cache

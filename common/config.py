@@ -1,0 +1,95 @@
+"""Config helpers: `--config.KEY=VALUE` overrides with type checks, flattening, comparison."""
+
+import ast
+import json
+
+import ml_collections
+
+from common.errors import UserError, suggest
+
+
+def flatten(cfg, prefix: str = "") -> dict:
+  """{"train.steps": 100, ...} for every leaf of a config tree, in key order."""
+  out = {}
+  for key, value in cfg.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, ml_collections.ConfigDict | dict):
+      out.update(flatten(value, name + "."))
+    else:
+      out[name] = value
+  return out
+
+
+def _parse(text: str, current, key: str):
+  """The override's text as a value of the type the key has now."""
+  if isinstance(current, bool):
+    low = text.lower()
+    if low in ("true", "1", "yes"):
+      return True
+    if low in ("false", "0", "no"):
+      return False
+  elif isinstance(current, int):
+    try:
+      return int(text)
+    except ValueError:
+      pass
+  elif isinstance(current, float):
+    try:
+      return float(text)
+    except ValueError:
+      pass
+  elif isinstance(current, str):
+    return text
+  elif current is None:
+    try:
+      return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      return text
+  elif isinstance(current, list | tuple):
+    try:
+      value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      value = None
+    if isinstance(value, list | tuple):
+      return type(current)(value)
+  type_name = "a list" if isinstance(current, list | tuple) else type(current).__name__
+  raise UserError(
+      f"--config.{key}={text}: {key} takes {type_name} (it is {current!r} now), "
+      f"and {text!r} is not one. Give a value of that type, e.g. --config.{key}={current!r}."
+  )
+
+
+def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]):
+  """Sets each dotted KEY to VALUE (a string, parsed to the key's type); unknown keys fail."""
+  keys = flatten(cfg)
+  for key, text in overrides.items():
+    if key not in keys:
+      subtree = [k for k in keys if k.startswith(key + ".")]
+      if subtree:
+        raise UserError(
+            f"--config.{key} names a group of keys, not one value: set them one by one "
+            f"({', '.join('--config.' + k for k in subtree[:4])}...)."
+        )
+      raise UserError(
+          f"Unknown config key {key!r}.{suggest(key, keys)} "
+          "`zoo show EXP` lists every key the experiment has."
+      )
+    *parents, leaf = key.split(".")
+    node = cfg
+    for p in parents:
+      node = node[p]
+    node[leaf] = _parse(text, keys[key], key)
+  return cfg
+
+
+def to_json(cfg) -> str:
+  return json.dumps(cfg.to_dict(), indent=2, sort_keys=True, default=str)
+
+
+def from_json(text: str) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(json.loads(text))
+
+
+def golden_text(cfg) -> str:
+  """One `key: value` line per leaf, sorted: what tests/golden/<name>.txt holds."""
+  return "".join(f"{k}: {v!r}\n" for k, v in sorted(flatten(cfg).items()))

