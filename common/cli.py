@@ -38,9 +38,14 @@ def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
   return rest, overrides
 
 
+class Parser(argparse.ArgumentParser):
+  def error(self, message):  # one clean line like every other user error, not usage + message
+    raise UserError(f"{message}. Usage:\n{USAGE}")
+
+
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="zoo", usage=USAGE)
-  sub = p.add_subparsers(dest="command", required=True)
+  p = Parser(prog="zoo", usage=USAGE)
+  sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
   sub.add_parser("list")
   show = sub.add_parser("show")
   show.add_argument("exp")

@@ -49,6 +49,9 @@ def load_module(name: str):
 def get_config(exp: str, overrides: dict[str, str] | None = None) -> ml_collections.ConfigDict:
   name, arg = split_arg(exp)
   module = load_module(name)
+  args = getattr(module, "ARGS", ("smoke",))
+  if arg is not None and arg not in args:
+    raise UserError(f"{name} takes no argument {arg!r}.{suggest(arg, args)} It takes: {args}.")
   cfg = module.get_config(arg) if arg is not None else module.get_config()
   missing = [k for k in COMMON_KEYS if k not in config_lib.flatten(cfg)]
   if missing:

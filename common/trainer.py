@@ -93,7 +93,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx) -> tuple[TrainSt
   (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "targets": count}
+  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "targets": count}
   return TrainState(state.step + 1, params, opt_state, state.rng), metrics
 
 
@@ -121,6 +121,16 @@ def restore_params(cfg, workdir: str) -> tuple[nnx.GraphDef, nnx.State, int]:
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(cfg.model)))
   ckpts, step = checkpoint.open_latest(workdir)
   try:
+    # A checkpoint of another model fails deep in orbax: say which keys differ instead.
+    saved = config_lib.flatten(ml_collections.ConfigDict(ckpts.meta(step)["model"]))
+    want = config_lib.flatten(config_lib.from_json(config_lib.to_json(cfg.model)))
+    changed = sorted(k for k in set(saved) | set(want) if saved.get(k) != want.get(k))
+    if changed:
+      raise UserError(
+          f"{workdir} holds a checkpoint of a different model ("
+          + "; ".join(f"model.{k}: {saved.get(k)!r} -> {want.get(k)!r}" for k in changed[:6])
+          + "): give the experiment (and --config overrides) that trained it."
+      )
     state = ckpts.restore(step, abstract_state(cfg, tx))
   finally:
     ckpts.close()
@@ -195,6 +205,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   from tqdm import tqdm
 
   # Workdir and data
+  if cfg.init_from and not os.path.exists(cfg.init_from):
+    raise UserError(
+        f"init_from={cfg.init_from!r} does not exist: give the workdir of an earlier `zoo run` "
+        "(or leave init_from empty to train from scratch)."
+    )
   check_workdir(cfg, workdir)
   tokenizer = tokenizers.load(cfg.data.tokenizer)
   if tokenizer.vocab_size > cfg.model.vocab_size:

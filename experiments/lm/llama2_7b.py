@@ -47,10 +47,15 @@ def get_config(arg=None):
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 
   if arg == "smoke":
-    # Same recipe, tiny shapes: bytes of Shakespeare instead of your corpus and tokenizer.
+    # Same recipe, tiny: bytes of Shakespeare instead of your corpus and tokenizer.
     c.data.update(kind="shakespeare", eval_plays="tempest", seq_len=32)
     c.data.tokenizer = tokenizers.config("bytes")
-    c.model = llama.config("tiny", vocab_size=256)
+    # The llama2-7b architecture (its GQA ratio, norms, RoPE) in tiny shapes.
+    c.model = llama.config(
+        "llama2-7b", vocab_size=256, dim=64, num_layers=2, hidden_dim=128,
+        num_heads=4, num_kv_heads=4,
+    )
+    c.model.dtype = "float32"
     c.train.update(steps=4, batch_size=4, log_every=1, eval_every=4, eval_batches=2,
                    checkpoint_every=2)
     c.mesh.update(data=1, fsdp=1, tensor=1)

@@ -1,0 +1,33 @@
+"""The device mesh `(data, fsdp, tensor)`: sizes from config, -1 meaning "the rest"."""
+
+import math
+
+from common.errors import UserError
+
+AXES = ("data", "fsdp", "tensor")
+
+
+def resolve(mesh_cfg, num_devices: int) -> dict[str, int]:
+  """{"data": d, "fsdp": f, "tensor": t} with d * f * t == num_devices, or a UserError."""
+  sizes = {axis: int(mesh_cfg[axis]) for axis in AXES}
+  free = [a for a, s in sizes.items() if s == -1]
+  bad = [a for a, s in sizes.items() if s == 0 or s < -1]
+  if bad or len(free) > 1:
+    raise UserError(
+        f"mesh {sizes}: each of mesh.data, mesh.fsdp, mesh.tensor is a positive size, and at "
+        "most one may be -1 (the remaining devices)."
+    )
+  fixed = math.prod(s for s in sizes.values() if s != -1)
+  if free:
+    if num_devices % fixed:
+      raise UserError(
+          f"mesh {sizes}: the fixed sizes multiply to {fixed}, which does not divide the "
+          f"{num_devices} devices. Choose sizes whose product divides {num_devices}."
+      )
+    sizes[free[0]] = num_devices // fixed
+  elif fixed != num_devices:
+    raise UserError(
+        f"mesh {sizes} needs {fixed} devices but {num_devices} are present. Set the sizes to "
+        f"multiply to {num_devices}, or one of them to -1."
+    )
+  return sizes

@@ -1,0 +1,324 @@
+"""common/trainer.py: the loss, the optimizer, determinism, exact resumption, checkpoints and
+init_from, on the smoke form of lm/shakespeare-char (a few steps each)."""
+
+import json
+import math
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from common import checkpoint, data, experiments, models, trainer
+from common.errors import UserError
+from zoo.llama import model as llama
+
+SMOKE = "lm/shakespeare-char:smoke"
+# A constant schedule after a fixed warm-up does not depend on train.steps, so a run extended
+# from 4 to 6 steps must match a 6-step run exactly; evaluation is off to keep the runs short.
+BASE = {
+  "train.steps": "6",
+  "train.checkpoint_every": "2",
+  "train.log_every": "1",
+  "train.keep_checkpoints": "2",
+  "train.eval_every": "0",
+  "optim.schedule": "constant",
+  "optim.warmup_steps": "2",
+}
+
+
+def smoke_config(overrides: dict | None = None) -> ml_collections.ConfigDict:
+  return experiments.get_config(SMOKE, {**BASE, **(overrides or {})})
+
+
+def train_losses(workdir) -> dict[int, float]:
+  """{step: loss} of the training lines of DIR/metrics.jsonl; a step logged twice fails."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  steps = [r["step"] for r in records if "split" not in r]
+  assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
+  return {r["step"]: r["loss"] for r in records if "split" not in r}
+
+
+def flat_params(params) -> dict:
+  return {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(params)}
+
+
+def assert_params_equal(a, b):
+  a, b = flat_params(a), flat_params(b)
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """An uninterrupted 6-step run: its workdir."""
+  workdir = str(tmp_path_factory.mktemp("reference"))
+  trainer.train(smoke_config(), workdir, progress=False)
+  return workdir
+
+
+# The loss
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  """The tiny Llama, split into graphdef and params."""
+  return nnx.split(models.build(llama.config("tiny"), seed=0), nnx.Param)
+
+
+def test_loss_sums_masks_document_boundaries_and_padding(tiny):
+  graphdef, params = tiny
+  tokens = np.random.default_rng(0).integers(0, 256, size=(2, 8)).astype(np.int32)
+  # Row 0: two documents, then padding; row 1: one continues from the row before, one starts.
+  segments = np.array([[1, 1, 1, 2, 2, 2, 0, 0], [2, 2, 3, 3, 3, 3, 3, 3]], np.int32)
+  # Target t (token t + 1) counts when it continues its input's document and is not padding.
+  weights = np.array([[1, 1, 0, 1, 1, 0, 0], [1, 0, 1, 1, 1, 1, 1]], np.float64)
+
+  @jax.jit
+  def loss_and_logits(params, batch):
+    model = nnx.merge(graphdef, params)
+    logits = model(batch["tokens"][:, :-1], segment_ids_BT=batch["segment_ids"][:, :-1])
+    return trainer.loss_sums(model, batch), logits
+
+  batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.asarray(segments)}
+  (total, count), logits = loss_and_logits(params, batch)
+
+  logits = np.asarray(logits, np.float64)
+  m = logits.max(-1, keepdims=True)
+  log_z = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
+  target_logit = np.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0]
+  want = ((log_z - target_logit) * weights).sum()
+  assert float(count) == weights.sum() == 10
+  np.testing.assert_allclose(float(total), want, rtol=1e-5)
+
+  # Padding tokens change nothing: neither their targets nor (causally) anything before them.
+  padded = dict(batch, tokens=batch["tokens"].at[0, 6:].set(7))
+  np.testing.assert_allclose(float(loss_and_logits(params, padded)[0][0]), float(total), rtol=1e-6)
+
+
+# The optimizer
+
+
+def optim_config(**kw) -> ml_collections.ConfigDict:
+  cfg = dict(
+    lr=1e-3,
+    warmup_steps=3,
+    schedule="cosine",
+    min_lr_ratio=0.1,
+    b1=0.9,
+    b2=0.95,
+    eps=1e-8,
+    weight_decay=0.1,
+    clip_norm=1.0,
+  )
+  return ml_collections.ConfigDict({**cfg, **kw})
+
+
+def test_adamw_decays_matrices_but_not_vectors(tiny):
+  _, params = tiny
+  lr, wd = 0.1, 0.5
+  tx = trainer.optimizer(
+    optim_config(lr=lr, weight_decay=wd, warmup_steps=0, schedule="constant"), 10
+  )
+  # With zero gradients Adam's update is exactly 0, so all that moves a param is weight decay.
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
+  new, old = flat_params(optax.apply_updates(params, updates)), flat_params(params)
+  vectors = sorted(k for k, v in old.items() if v.ndim == 1)
+  assert vectors and all(k[-1] == "scale" for k in vectors)  # the norm scales
+  for k, v in old.items():
+    if v.ndim == 1:
+      np.testing.assert_array_equal(new[k], v, err_msg=str(k))
+    else:
+      np.testing.assert_allclose(new[k], v * (1 - lr * wd), rtol=1e-6, err_msg=str(k))
+
+
+def test_warmup_cosine_schedule_equals_optax_reference():
+  lr, end, warmup, steps = 1e-3, 1e-4, 3, 10
+  got = trainer.schedule(optim_config(), steps)
+  ref = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end)
+  for t in [0, 1, 2, 3, 5, 8, 10, 12]:
+    want = (
+      lr * t / warmup
+      if t < warmup
+      else (end + (lr - end) * 0.5 * (1 + math.cos(math.pi * min(t - warmup, 7) / 7)))
+    )
+    np.testing.assert_allclose(float(got(t)), float(ref(t)), rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(float(got(t)), want, rtol=1e-5, atol=1e-12)
+
+
+def test_linear_and_constant_schedules():
+  lr, end = 1e-3, 1e-4
+  linear = trainer.schedule(optim_config(schedule="linear"), 10)
+  constant = trainer.schedule(optim_config(schedule="constant"), 10)
+  for t in [0, 1, 2, 3, 6, 10, 12]:
+    warm = lr * t / 3
+    np.testing.assert_allclose(
+      float(linear(t)),
+      warm if t < 3 else lr + (end - lr) * min(t - 3, 7) / 7,
+      rtol=1e-5,
+      atol=1e-12,
+    )
+    np.testing.assert_allclose(float(constant(t)), warm if t < 3 else lr, rtol=1e-5, atol=1e-12)
+  # A warm-up longer than the run is cut so that the last step reaches the peak.
+  np.testing.assert_allclose(float(trainer.schedule(optim_config(warmup_steps=100), 4)(3)), lr)
+  with pytest.raises(UserError, match="exponential"):
+    trainer.schedule(optim_config(schedule="exponential"), 10)
+
+
+# Runs
+
+
+@pytest.mark.slow
+def test_same_seed_gives_identical_losses(reference, tmp_path):
+  trainer.train(smoke_config(), str(tmp_path / "again"), progress=False)
+  want = train_losses(reference)
+  assert list(want) == [1, 2, 3, 4, 5, 6]
+  assert train_losses(tmp_path / "again") == want
+  trainer.train(
+    smoke_config({"seed": "1", "train.steps": "1"}), str(tmp_path / "seed1"), progress=False
+  )
+  assert train_losses(tmp_path / "seed1")[1] != want[1]
+
+
+@pytest.mark.slow
+def test_logged_lr_follows_the_schedule(reference):
+  cfg = smoke_config()
+  lr_at = trainer.schedule(cfg.optim, cfg.train.steps)
+  with open(os.path.join(reference, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  assert [r["lr"] for r in records] == [float(lr_at(r["step"] - 1)) for r in records]
+  assert all(r["tokens_per_s"] > 0 and r["targets"] > 0 for r in records)
+
+
+@pytest.mark.slow
+def test_resume_extending_steps_is_exact(reference, tmp_path):
+  workdir = str(tmp_path / "run")
+  trainer.train(smoke_config({"train.steps": "4"}), workdir, progress=False)
+  assert list(train_losses(workdir)) == [1, 2, 3, 4]
+  trainer.train(smoke_config({"train.steps": "6"}), workdir, progress=False)
+  assert train_losses(workdir) == train_losses(reference)  # every step, bitwise
+  cfg = smoke_config()
+  _, params, step = trainer.restore_params(cfg, workdir)
+  _, want, want_step = trainer.restore_params(cfg, reference)
+  assert step == want_step == 6
+  assert_params_equal(params, want)
+
+
+class Crash(Exception):
+  pass
+
+
+@pytest.mark.slow
+def test_resume_after_a_crash_is_exact(reference, tmp_path, monkeypatch):
+  """Same config, killed during step 5 (after the step-4 checkpoint), then rerun."""
+  write = trainer.MetricsLog.write
+
+  def crashing_write(self, step, metrics, split="train"):
+    if step == 5:
+      raise Crash
+    write(self, step, metrics, split)
+
+  workdir = str(tmp_path / "run")
+  with monkeypatch.context() as m:
+    m.setattr(trainer.MetricsLog, "write", crashing_write)
+    with pytest.raises(Crash):
+      trainer.train(smoke_config(), workdir, progress=False)
+  assert list(train_losses(workdir)) == [1, 2, 3, 4]
+  trainer.train(smoke_config(), workdir, progress=False)
+  assert train_losses(workdir) == train_losses(reference)
+  assert_params_equal(
+    trainer.restore_params(smoke_config(), workdir)[1],
+    trainer.restore_params(smoke_config(), reference)[1],
+  )
+
+
+@pytest.mark.slow
+def test_checkpoints_keep_last_n_with_data_state_and_meta(reference):
+  ckpt_dir = checkpoint.directory(reference)
+  steps = sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
+  assert steps == [4, 6]  # saved at 2, 4, 6; keep_checkpoints=2
+  for step in steps:
+    items = os.listdir(os.path.join(ckpt_dir, str(step)))
+    assert {"state", "data", "meta"} <= set(items)
+    data_files = os.listdir(os.path.join(ckpt_dir, str(step), "data"))
+    assert any(f.startswith("process_0") for f in data_files), data_files
+  cfg = smoke_config()
+  ckpts, latest = checkpoint.open_latest(reference)
+  try:
+    meta = ckpts.meta(latest)
+  finally:
+    ckpts.close()
+  assert latest == 6
+  assert meta["family"] == "llama"
+  assert meta["model"] == json.loads(json.dumps(cfg.model.to_dict()))
+  # The model can be rebuilt from the meta alone (what makes it a zoo checkpoint).
+  models.abstract(ml_collections.ConfigDict(meta["model"]))
+
+
+@pytest.mark.slow
+def test_checkpoint_holds_the_data_iterator_state(reference):
+  """Restoring the step-6 data state gives the batch the run would have seen at step 7."""
+  cfg = smoke_config()
+  rows = data.load_split(cfg.data, "train")
+  fresh = data.train_iterator(rows, batch_size=cfg.train.batch_size, seed=cfg.seed)
+  want = [next(fresh) for _ in range(7)][-1]
+  restored = data.train_iterator(rows, batch_size=cfg.train.batch_size, seed=cfg.seed)
+  ckpts, step = checkpoint.open_latest(reference)
+  try:
+    tx = trainer.optimizer(cfg.optim, cfg.train.steps)
+    ckpts.restore(step, trainer.abstract_state(cfg, tx), data_iterator=restored)
+  finally:
+    ckpts.close()
+  got = next(restored)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k])
+
+
+@pytest.mark.slow
+def test_init_from_loads_the_source_params(reference, tmp_path):
+  cfg = smoke_config({"init_from": reference, "seed": "5", "train.steps": "1"})
+  _, source, _ = trainer.restore_params(smoke_config(), reference)
+  tx = trainer.optimizer(cfg.optim, cfg.train.steps)
+  graphdef, fresh = trainer.init_state(cfg, tx)
+  loaded = trainer.load_init_params(cfg, fresh.params)
+  assert_params_equal(loaded, source)
+
+  # The first step of a run with init_from starts from those params: its loss is theirs.
+  workdir = str(tmp_path / "finetune")
+  trainer.train(cfg, workdir, progress=False)
+  rows = data.load_split(cfg.data, "train")
+  batch = next(data.train_iterator(rows, batch_size=cfg.train.batch_size, seed=cfg.seed))
+  loss = jax.jit(lambda p, b: trainer.loss_sums(nnx.merge(graphdef, p), b))
+  total, count = loss(source, batch)
+  fresh_total, _ = loss(fresh.params, batch)
+  got = train_losses(workdir)[1]
+  np.testing.assert_allclose(got, float(total / count), rtol=1e-5)
+  assert abs(got - float(fresh_total / count)) > 1e-3  # not the fresh init's loss
+
+
+@pytest.mark.slow
+def test_init_from_a_different_shape_lists_the_mismatched_keys(reference, tmp_path):
+  cfg = smoke_config({"init_from": reference, "model.mlp.hidden_dim": "96"})
+  with pytest.raises(UserError, match="does not fit") as e:
+    trainer.train(cfg, str(tmp_path / "other"), progress=False)
+  message = str(e.value)
+  assert reference in message
+  for layer in (0, 1):
+    for name in ("gate", "up"):
+      assert f"blocks.{layer}.mlp.{name}.kernel: checkpoint (64, 128) vs model (64, 96)" in message
+    assert f"blocks.{layer}.mlp.down.kernel: checkpoint (128, 64) vs model (96, 64)" in message
+  assert "attn" not in message  # only what differs
+
+
+def test_init_from_a_missing_path_is_a_user_error(tmp_path):
+  cfg = smoke_config({"init_from": str(tmp_path / "nope")})
+  with pytest.raises(UserError, match=re.escape(str(tmp_path / "nope"))):
+    trainer.load_init_params(cfg, None)
