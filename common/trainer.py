@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from common import checkpoint, data, models, tokenizers
+from common import checkpoint, data, mesh, models, tokenizers
 from common import config as config_lib
 from common.errors import UserError
 
@@ -209,6 +209,13 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     raise UserError(
         f"init_from={cfg.init_from!r} does not exist: give the workdir of an earlier `zoo run` "
         "(or leave init_from empty to train from scratch)."
+    )
+  sizes = mesh.resolve(cfg.mesh, jax.device_count())
+  if jax.device_count() > 1:
+    raise UserError(
+        f"mesh {sizes} spans {jax.device_count()} devices, and this trainer runs on one device "
+        "so far (sharded training is the parallelism issue's work). Make one device visible, "
+        "e.g. CUDA_VISIBLE_DEVICES=0 or without --xla_force_host_platform_device_count."
     )
   check_workdir(cfg, workdir)
   tokenizer = tokenizers.load(cfg.data.tokenizer)
