@@ -1,0 +1,415 @@
+"""Attention against a plain numpy reference (explicit loops over heads), and its invariants:
+causality by gradients, GQA/MQA == MHA with repeated k/v, masks, soft-cap, QK-norm, KV cache."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from common import attention, position
+from common.errors import UserError
+
+# ---------------------------------------------------------------------------------------------
+# Independent references (numpy, float64, one head at a time).
+
+
+def np_mask(q_idx, k_idx, q_seg, k_seg, *, causal, window=0):
+  """[B, T, S]: query t sees key s in its own segment; causal: s <= t; a window of W: the keys
+  t-W+1 .. t (and up to t+W-1 when bidirectional)."""
+  B, T, S = q_seg.shape[0], len(q_idx), len(k_idx)
+  out = np.zeros((B, T, S), bool)
+  for b in range(B):
+    for i, t in enumerate(q_idx):
+      lo = t - window + 1 if window else -math.inf
+      hi = t if causal else (t + window - 1 if window else math.inf)
+      for j, s in enumerate(k_idx):
+        out[b, i, j] = q_seg[b, i] == k_seg[b, j] and lo <= s <= hi
+  return out
+
+
+def np_attend(q, k, v, mask, bias=None, softcap=0.0):
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  B, T, N, H = q.shape
+  G = N // k.shape[2]
+  out = np.zeros((B, T, N, H))
+  for b in range(B):
+    for n in range(N):
+      kv = n // G  # query head n reads key/value head n // G (HF's repeat_kv)
+      logits = q[b, :, n] @ k[b, :, kv].T / math.sqrt(H)
+      if softcap:
+        logits = softcap * np.tanh(logits / softcap)
+      if bias is not None:
+        logits = logits + np.asarray(bias, np.float64)[b, n]
+      logits = np.where(mask[b], logits, -np.inf)
+      p = np.exp(logits - logits.max(-1, keepdims=True))
+      out[b, :, n] = (p / p.sum(-1, keepdims=True)) @ v[b, :, kv]
+  return out
+
+
+def np_rope(x, positions, theta=10_000.0):
+  x = np.asarray(x, np.float64)
+  H = x.shape[-1]
+  inv_freq = 1.0 / theta ** (np.arange(0, H, 2) / H)
+  freqs = np.asarray(positions, np.float64)[..., None] * inv_freq
+  emb = np.concatenate([freqs, freqs], -1)[:, :, None]
+  rotated = np.concatenate([-x[..., H // 2 :], x[..., : H // 2]], -1)
+  return x * np.cos(emb) + rotated * np.sin(emb)
+
+
+def np_norm(x, kind, scale, bias=None, eps=1e-6):
+  x = np.asarray(x, np.float64)
+  if kind == "rms":
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * scale
+  mu = x.mean(-1, keepdims=True)
+  var = ((x - mu) ** 2).mean(-1, keepdims=True)
+  return (x - mu) / np.sqrt(var + eps) * scale + bias
+
+
+def np_alibi(num_heads, q_pos, k_pos):
+  # Press et al.: for a power of two n, slopes 2^(-8/n), 2^(-16/n), ...
+  assert math.log2(num_heads).is_integer()
+  slopes = np.array([2.0 ** (-8.0 * (i + 1) / num_heads) for i in range(num_heads)])
+  return -slopes[None, :, None, None] * np.abs(q_pos[:, None, :, None] - k_pos[:, None, None, :])
+
+
+def randn(seed, shape, scale=1.0):
+  return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def layer(seed=0, dim=32, **kw):
+  """An Attention layer with random weights, biases and norm scales (numpy, so that no eager op
+  is compiled; kernels larger than the 0.02 init, so attention is far from uniform)."""
+  kw = {"num_heads": 4, "head_dim": 8, **kw}
+  cfg = attention.config(**kw)
+  attn = nnx.eval_shape(lambda: attention.Attention(cfg, dim, rngs=nnx.Rngs(0)))
+  rng = np.random.default_rng(seed)
+  for _, p in nnx.iter_graph(attn):
+    if isinstance(p, nnx.Param):
+      shape = p.get_value().shape
+      base = 1.0 if len(shape) == 1 and shape[0] == kw["head_dim"] else 0.0  # norm scales
+      p.set_value(jnp.asarray(base + 0.3 * rng.standard_normal(shape), jnp.float32))
+  return attn
+
+
+def np_layer(
+  attn, x, positions, seg, *, pos_kind="rope", qk_norm="none", causal=True, window=0, softcap=0.0
+):
+  """The whole layer in numpy from its weights."""
+  B, T, _ = x.shape
+  N, K, H = attn.num_heads, attn.num_kv_heads, attn.head_dim
+  x = np.asarray(x, np.float64)
+
+  def proj(lin):
+    y = x @ np.asarray(lin.kernel[...], np.float64)
+    return y + np.asarray(lin.bias[...]) if lin.bias is not None else y
+
+  q = proj(attn.q).reshape(B, T, N, H)
+  k = proj(attn.k).reshape(B, T, K, H)
+  v = proj(attn.v).reshape(B, T, K, H)
+  if qk_norm != "none":
+    qn, kn = attn.q_norm, attn.k_norm
+    bq = np.asarray(qn.bias[...]) if qk_norm == "layer" else None
+    bk = np.asarray(kn.bias[...]) if qk_norm == "layer" else None
+    q = np_norm(q, qk_norm, np.asarray(qn.scale[...]), bq)
+    k = np_norm(k, qk_norm, np.asarray(kn.scale[...]), bk)
+  bias = None
+  if pos_kind == "rope":
+    q, k = np_rope(q, positions), np_rope(k, positions)
+  elif pos_kind == "alibi":
+    bias = np_alibi(N, positions, positions)
+  mask = np_mask(range(T), range(T), seg, seg, causal=causal, window=window)
+  out = np_attend(q, k, v, mask, bias, softcap).reshape(B, T, N * H)
+  y = out @ np.asarray(attn.o.kernel[...], np.float64)
+  return y + np.asarray(attn.o.bias[...]) if attn.o.bias is not None else y
+
+
+ROPE = position.RoPE(8, theta=1e4, scaling=position.rope_scaling())
+
+
+@nnx.jit
+def _apply(attn, pos, x, positions, seg, cache):
+  return attn(x, positions_BT=positions, segment_ids_BT=seg, position=pos, cache=cache)
+
+
+def run(attn, x, positions=None, seg=None, pos=None, cache=None):
+  """The layer under jit (one compile per shape, much faster on CPU than eager op by op)."""
+  B, T = x.shape[:2]
+  if positions is None:
+    positions = np.broadcast_to(np.arange(T), (B, T))
+  seg = None if seg is None else jnp.asarray(seg, jnp.int32)
+  return _apply(
+    attn, ROPE if pos is None else pos, jnp.asarray(x), jnp.asarray(positions), seg, cache
+  )
+
+
+attend = jax.jit(attention.attend, static_argnames="softcap")
+
+# ---------------------------------------------------------------------------------------------
+# attend: the core against the reference; GQA / MQA against MHA with repeated heads.
+
+
+@pytest.mark.parametrize("N,K", [(4, 4), (4, 2), (4, 1), (6, 3)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attend_matches_reference(N, K, causal):
+  B, T, H = 2, 7, 8
+  q, k, v = randn(0, (B, T, N, H)), randn(1, (B, T, K, H)), randn(2, (B, T, K, H))
+  seg = np.ones((B, T), np.int32)
+  mask = np_mask(range(T), range(T), seg, seg, causal=causal)
+  got = attend(q, k, v, mask_BTS=jnp.asarray(mask))
+  np.testing.assert_allclose(got, np_attend(q, k, v, mask), atol=1e-5)
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_gqa_equals_mha_with_repeated_kv(K):
+  B, T, N, H = 2, 7, 4, 8
+  q, k, v = randn(3, (B, T, N, H)), randn(4, (B, T, K, H)), randn(5, (B, T, K, H))
+  mask = jnp.tril(jnp.ones((T, T), bool))[None].repeat(B, 0)
+  bias = jnp.asarray(np_alibi(N, np.tile(np.arange(T), (B, 1)), np.tile(np.arange(T), (B, 1))))
+  for b in (None, bias):
+    gqa = attend(q, k, v, mask_BTS=mask, bias_BNTS=b)
+    mha = attend(
+      q,
+      jnp.repeat(k, N // K, axis=2),
+      jnp.repeat(v, N // K, axis=2),
+      mask_BTS=mask,
+      bias_BNTS=b,
+    )
+    np.testing.assert_allclose(gqa, mha, atol=1e-6)
+
+
+def test_attend_bias_and_softcap_match_reference():
+  B, T, N, K, H = 2, 7, 4, 2, 8
+  q, k, v = randn(6, (B, T, N, H), 3.0), randn(7, (B, T, K, H), 3.0), randn(8, (B, T, K, H))
+  seg = np.ones((B, T), np.int32)
+  mask = np_mask(range(T), range(T), seg, seg, causal=True)
+  bias = randn(9, (B, N, T, T))
+  got = attend(q, k, v, mask_BTS=jnp.asarray(mask), bias_BNTS=bias, softcap=2.0)
+  np.testing.assert_allclose(got, np_attend(q, k, v, mask, bias, softcap=2.0), atol=1e-5)
+  # The cap changes the answer with these large logits (so the test is not vacuous).
+  plain = attend(q, k, v, mask_BTS=jnp.asarray(mask), bias_BNTS=bias)
+  assert not np.allclose(got, plain, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [0, 1, 3])
+def test_make_mask_matches_reference(causal, window):
+  seg = np.array([[1, 1, 1, 1, 2, 2, 2, 2, 2], [3, 3, 3, 3, 3, 3, 3, 0, 0]])
+  T = seg.shape[1]
+  got = attention.make_mask(
+    jnp.arange(T),
+    jnp.arange(T),
+    jnp.asarray(seg),
+    jnp.asarray(seg),
+    causal=causal,
+    window=window,
+  )
+  np.testing.assert_array_equal(
+    got, np_mask(range(T), range(T), seg, seg, causal=causal, window=window)
+  )
+
+
+def test_sliding_window_sees_exactly_the_last_w_keys():
+  T, W = 8, 3
+  ones = jnp.ones((1, T), jnp.int32)
+  mask = np.asarray(
+    attention.make_mask(jnp.arange(T), jnp.arange(T), ones, ones, causal=True, window=W)
+  )[0]
+  for t in range(T):
+    assert set(np.flatnonzero(mask[t])) == set(range(max(0, t - W + 1), t + 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer against the numpy reference, for each variant.
+
+
+@pytest.mark.parametrize(
+  "kw",
+  [
+    dict(),
+    dict(num_kv_heads=2),
+    dict(num_kv_heads=1),
+    dict(qkv_bias=True, out_bias=True),
+    dict(qk_norm="rms", num_kv_heads=2),
+    dict(qk_norm="layer"),
+    dict(softcap=3.0),
+    dict(window=3, num_kv_heads=2),
+    dict(mask="bidirectional", window=2),
+  ],
+  ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "mha",
+)
+def test_layer_matches_reference(kw):
+  attn = layer(**kw)
+  x = randn(10, (2, 7, 32))
+  seg = np.array([[1] * 7, [1, 1, 1, 2, 2, 2, 2]])
+  positions = np.asarray(position.positions_from_segments(jnp.asarray(seg)))
+  got, cache = run(attn, x, positions, seg)
+  assert cache is None
+  want = np_layer(
+    attn,
+    x,
+    positions,
+    seg,
+    qk_norm=kw.get("qk_norm", "none"),
+    causal=kw.get("mask", "causal") == "causal",
+    window=kw.get("window", 0),
+    softcap=kw.get("softcap", 0.0),
+  )
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_layer_with_alibi_matches_reference(num_kv_heads):
+  attn = layer(num_kv_heads=num_kv_heads)
+  x = randn(11, (2, 6, 32))
+  positions = np.tile(np.arange(6), (2, 1))
+  got, _ = run(attn, x, positions, pos=position.ALiBi())
+  want = np_layer(attn, x, positions, np.ones((2, 6)), pos_kind="alibi")
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_bad_configs_are_user_errors():
+  with pytest.raises(UserError):
+    layer(num_heads=4, num_kv_heads=3)
+  with pytest.raises(UserError):
+    layer(mask="prefix")
+  with pytest.raises(UserError):
+    layer(impl="flash")
+
+
+def test_bfloat16_compute_stays_close():
+  attn32 = layer(num_kv_heads=2)
+  cfg = attention.config(num_heads=4, num_kv_heads=2, head_dim=8)
+  attn16 = nnx.eval_shape(
+    lambda: attention.Attention(cfg, 32, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  )
+  nnx.update(attn16, nnx.state(attn32))
+  x = randn(12, (1, 5, 32))
+  out16, _ = run(attn16, x)
+  out32, _ = run(attn32, x)
+  assert out16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out16, np.float32), out32, atol=0.05, rtol=0.05)
+
+
+# ---------------------------------------------------------------------------------------------
+# Invariants by gradients: which inputs each output depends on.
+
+
+def jacobian_norms(attn, x, seg=None, pos=None):
+  """[T, S]: |d out[0, t] / d x[0, s]|."""
+
+  @nnx.jit
+  def norms(attn, pos, x):
+    T = x.shape[1]
+    positions = jnp.arange(T)[None]
+    f = lambda x: attn(x, positions_BT=positions, segment_ids_BT=seg, position=pos)[0][0]
+    jac = jax.jacrev(f)(x)  # [T, D, 1, S, D]
+    return jnp.sqrt(jnp.sum(jac[:, :, 0] ** 2, axis=(1, 3)))
+
+  return np.asarray(norms(attn, ROPE if pos is None else pos, jnp.asarray(x)))
+
+
+@pytest.mark.parametrize("pos", [None, position.ALiBi(), position.Position()])
+def test_causal_by_gradients(pos):
+  T = 8
+  attn = layer(num_kv_heads=2)
+  dep = jacobian_norms(attn, randn(13, (1, T, 32)), pos=pos)
+  future = np.triu(np.ones((T, T), bool), k=1)
+  assert np.all(dep[future] == 0.0)  # exactly: masked probabilities are exactly zero
+  assert np.all(dep[~future] > 1e-6)
+
+
+def test_bidirectional_depends_on_every_position():
+  T = 8
+  dep = jacobian_norms(layer(mask="bidirectional"), randn(14, (1, T, 32)))
+  assert np.all(dep > 1e-6)
+
+
+@pytest.mark.parametrize("mask", ["causal", "bidirectional"])
+def test_sliding_window_by_gradients(mask):
+  T, W = 8, 3
+  dep = jacobian_norms(layer(window=W, mask=mask), randn(15, (1, T, 32)))
+  t, s = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")
+  visible = (s >= t - W + 1) & ((s <= t) if mask == "causal" else (s <= t + W - 1))
+  assert np.all(dep[~visible] == 0.0)
+  assert np.all(dep[visible] > 1e-6)
+
+
+@pytest.mark.parametrize("mask", ["causal", "bidirectional"])
+def test_segments_never_attend_across_by_gradients(mask):
+  seg = np.array([[1, 1, 1, 2, 2, 3, 3, 3]])
+  dep = jacobian_norms(layer(mask=mask), randn(16, (1, 8, 32)), seg=seg)
+  same = seg[0][:, None] == seg[0][None, :]
+  assert np.all(dep[~same] == 0.0)
+  if mask == "bidirectional":
+    assert np.all(dep[same] > 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing and padding: a segment's output is that segment run alone.
+
+
+@pytest.mark.parametrize("pos", [None, position.ALiBi()])
+@pytest.mark.parametrize("mask", ["causal", "bidirectional"])
+def test_packed_segment_equals_segment_alone(mask, pos):
+  attn = layer(num_kv_heads=2, mask=mask)
+  lengths = [5, 3]
+  docs = [randn(20 + i, (1, n, 32)) for i, n in enumerate(lengths)]
+  seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])[None]
+  positions = np.asarray(position.positions_from_segments(jnp.asarray(seg)))
+  packed, _ = run(attn, np.concatenate(docs, 1), positions, seg, pos)
+  start = 0
+  for doc, n in zip(docs, lengths, strict=True):
+    alone, _ = run(attn, doc, pos=pos)
+    np.testing.assert_allclose(packed[:, start : start + n], alone, atol=1e-5)
+    start += n
+
+
+@pytest.mark.parametrize("mask", ["causal", "bidirectional"])
+def test_padding_segment_does_not_change_real_tokens(mask):
+  attn = layer(mask=mask)
+  real = randn(30, (2, 5, 32))
+  x = np.concatenate([real, randn(31, (2, 3, 32), 10.0)], 1)  # 3 padding tokens
+  seg = np.array([[1] * 5 + [0] * 3] * 2)
+  out, _ = run(attn, x, seg=seg)
+  alone, _ = run(attn, real)
+  np.testing.assert_allclose(out[:, :5], alone, atol=1e-5)
+  assert np.all(np.isfinite(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache: prefill then steps equals one full pass.
+
+
+@pytest.mark.parametrize(
+  "kw,pos",
+  [
+    (dict(), None),
+    (dict(num_kv_heads=1, qk_norm="rms", qkv_bias=True), None),
+    (dict(num_kv_heads=2, window=3), None),
+    (dict(num_kv_heads=2), position.ALiBi()),
+  ],
+  ids=["mha", "mqa-qknorm-bias", "window", "alibi"],
+)
+def test_kv_cache_equals_full_pass(kw, pos):
+  attn = layer(**kw)
+  B, T, P = 2, 8, 4
+  x = randn(40, (B, T, 32))
+  full, _ = run(attn, x, pos=pos)
+  cache = attn.init_cache(B, 10)
+  # A prompt, one step of 2 tokens (in one case: it compiles once more), then 1 at a time.
+  two = [(P, P + 2)] if not kw else []
+  chunks = [(0, P), *two] + [(t, t + 1) for t in range(P + 2 * len(two), T)]
+  outs = []
+  for a, b in chunks:
+    positions = np.broadcast_to(np.arange(a, b), (B, b - a))
+    out, cache = run(attn, x[:, a:b], positions, pos=pos, cache=cache)
+    outs.append(out)
+    assert int(cache.index) == b
+  np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=1e-5)
