@@ -22,33 +22,33 @@ IMPLS = ("xla",)
 
 
 def config(
-    *,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    head_dim: int,
-    mask: str = "causal",
-    window: int = 0,
-    qkv_bias: bool = False,
-    out_bias: bool = False,
-    qk_norm: str = "none",
-    softcap: float = 0.0,
-    impl: str = "xla",
+  *,
+  num_heads: int,
+  num_kv_heads: int | None = None,
+  head_dim: int,
+  mask: str = "causal",
+  window: int = 0,
+  qkv_bias: bool = False,
+  out_bias: bool = False,
+  qk_norm: str = "none",
+  softcap: float = 0.0,
+  impl: str = "xla",
 ) -> ml_collections.ConfigDict:
   """An attention sub-config. window=0: no sliding window; softcap=0: no soft-cap;
   qk_norm: "none", "rms" or "layer" (normalises each head's q and k, as Qwen3)."""
   return ml_collections.ConfigDict(
-      {
-          "num_heads": num_heads,
-          "num_kv_heads": num_kv_heads or num_heads,
-          "head_dim": head_dim,
-          "mask": mask,
-          "window": window,
-          "qkv_bias": qkv_bias,
-          "out_bias": out_bias,
-          "qk_norm": qk_norm,
-          "softcap": softcap,
-          "impl": impl,
-      }
+    {
+      "num_heads": num_heads,
+      "num_kv_heads": num_kv_heads or num_heads,
+      "head_dim": head_dim,
+      "mask": mask,
+      "window": window,
+      "qkv_bias": qkv_bias,
+      "out_bias": out_bias,
+      "qk_norm": qk_norm,
+      "softcap": softcap,
+      "impl": impl,
+    }
   )
 
 
@@ -68,13 +68,13 @@ class KVCache:
 
 
 def make_mask(
-    q_idx_T: jax.Array,
-    k_idx_S: jax.Array,
-    q_seg_BT: jax.Array,
-    k_seg_BS: jax.Array,
-    *,
-    causal: bool,
-    window: int = 0,
+  q_idx_T: jax.Array,
+  k_idx_S: jax.Array,
+  q_seg_BT: jax.Array,
+  k_seg_BS: jax.Array,
+  *,
+  causal: bool,
+  window: int = 0,
 ) -> jax.Array:
   """[B, T, S] booleans: True where query t may attend to key s."""
   mask = q_seg_BT[:, :, None] == k_seg_BS[:, None, :]
@@ -88,13 +88,13 @@ def make_mask(
 
 
 def attend(
-    q_BTNH: jax.Array,
-    k_BSKH: jax.Array,
-    v_BSKH: jax.Array,
-    *,
-    mask_BTS: jax.Array,
-    bias_BNTS: jax.Array | None = None,
-    softcap: float = 0.0,
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  *,
+  mask_BTS: jax.Array,
+  bias_BNTS: jax.Array | None = None,
+  softcap: float = 0.0,
 ) -> jax.Array:
   """softmax(q k^T / sqrt(H) + bias) v with grouped heads; the pure-jnp reference path."""
   B, T, N, H = q_BTNH.shape
@@ -104,8 +104,9 @@ def attend(
   grouped = N != K
   q = q_BTNH.reshape(B, T, K, N // K, H) if grouped else q_BTNH
   spec_qk, spec_pv = (
-      ("BTKGH,BSKH->BKGTS", "BKGTS,BSKH->BTKGH") if grouped
-      else ("BTNH,BSNH->BNTS", "BNTS,BSNH->BTNH")
+    ("BTKGH,BSKH->BKGTS", "BKGTS,BSKH->BTKGH")
+    if grouped
+    else ("BTNH,BSNH->BNTS", "BNTS,BSNH->BTNH")
   )
   logits = jnp.einsum(spec_qk, q, k_BSKH, preferred_element_type=jnp.float32) * (H**-0.5)
   if softcap:
@@ -120,15 +121,15 @@ def attend(
 
 class Attention(nnx.Module):
   def __init__(
-      self,
-      cfg,
-      dim: int,
-      *,
-      norm_eps: float = 1e-6,
-      out_init_std: float = 0.02,
-      dtype=jnp.float32,
-      param_dtype=jnp.float32,
-      rngs: nnx.Rngs,
+    self,
+    cfg,
+    dim: int,
+    *,
+    norm_eps: float = 1e-6,
+    out_init_std: float = 0.02,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
   ):
     if cfg.mask not in MASKS:
       raise UserError(f"Unknown attention mask {cfg.mask!r}: use one of {MASKS}.")
@@ -136,8 +137,8 @@ class Attention(nnx.Module):
       raise UserError(f"Unknown attention impl {cfg.impl!r}: use one of {IMPLS}.")
     if cfg.num_heads % cfg.num_kv_heads:
       raise UserError(
-          f"num_heads={cfg.num_heads} is not a multiple of num_kv_heads={cfg.num_kv_heads}: "
-          "each key/value head serves a whole group of query heads."
+        f"num_heads={cfg.num_heads} is not a multiple of num_kv_heads={cfg.num_kv_heads}: "
+        "each key/value head serves a whole group of query heads."
       )
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
@@ -148,7 +149,7 @@ class Attention(nnx.Module):
     self.k = Linear(dim, K * H, use_bias=cfg.qkv_bias, axes=("D", "KH"), **kw)
     self.v = Linear(dim, K * H, use_bias=cfg.qkv_bias, axes=("D", "KH"), **kw)
     self.o = Linear(
-        N * H, dim, use_bias=cfg.out_bias, axes=("NH", "D"), init_std=out_init_std, **kw
+      N * H, dim, use_bias=cfg.out_bias, axes=("NH", "D"), init_std=out_init_std, **kw
     )
     if cfg.qk_norm == "none":
       self.q_norm = self.k_norm = None
@@ -161,13 +162,13 @@ class Attention(nnx.Module):
     return KVCache.init(batch, max_len, self.num_kv_heads, self.head_dim, self.dtype)
 
   def __call__(
-      self,
-      x_BTD: jax.Array,
-      *,
-      positions_BT: jax.Array,
-      segment_ids_BT: jax.Array | None = None,
-      position: Position,
-      cache: KVCache | None = None,
+    self,
+    x_BTD: jax.Array,
+    *,
+    positions_BT: jax.Array,
+    segment_ids_BT: jax.Array | None = None,
+    position: Position,
+    cache: KVCache | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     B, T, _ = x_BTD.shape
     N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
@@ -199,11 +200,15 @@ class Attention(nnx.Module):
       cache = KVCache(k_BSKH, v_BSKH, cache.index + T)
 
     mask_BTS = make_mask(
-        q_idx_T, k_idx_S, segment_ids_BT, k_seg_BS, causal=self.causal, window=self.window
+      q_idx_T, k_idx_S, segment_ids_BT, k_seg_BS, causal=self.causal, window=self.window
     )
     bias = position.logit_bias(positions_BT, k_pos_BS, N)
     out_BTNH = attend(
-        q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
-        mask_BTS=mask_BTS, bias_BNTS=bias, softcap=self.softcap,
+      q_BTNH,
+      k_BSKH.astype(q_BTNH.dtype),
+      v_BSKH.astype(q_BTNH.dtype),
+      mask_BTS=mask_BTS,
+      bias_BNTS=bias,
+      softcap=self.softcap,
     )
     return self.o(out_BTNH.reshape(B, T, N * H)), cache

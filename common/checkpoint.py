@@ -22,13 +22,13 @@ class Checkpoints:
   def __init__(self, workdir: str, *, keep: int = 3, read_only: bool = False):
     self.path = directory(workdir)
     self.manager = ocp.CheckpointManager(
-        self.path,
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            create=not read_only,
-            read_only=read_only,
-            enable_async_checkpointing=not read_only,
-        ),
+      self.path,
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=keep,
+        create=not read_only,
+        read_only=read_only,
+        enable_async_checkpointing=not read_only,
+      ),
     )
 
   def latest_step(self) -> int | None:
@@ -36,13 +36,13 @@ class Checkpoints:
 
   def save(self, step: int, state, *, data_iterator, meta: dict, force: bool = False):
     self.manager.save(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=grain.checkpoint.CheckpointSave(data_iterator),
-            meta=ocp.args.JsonSave(meta),
-        ),
-        force=force,
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=grain.checkpoint.CheckpointSave(data_iterator),
+        meta=ocp.args.JsonSave(meta),
+      ),
+      force=force,
     )
 
   def restore(self, step: int, abstract_state, *, data_iterator=None):
@@ -66,7 +66,7 @@ def open_latest(workdir: str) -> tuple["Checkpoints", int]:
   """A read-only view of a workdir's checkpoints and its latest step; UserError if it has none."""
   if not os.path.isdir(directory(workdir)):
     raise UserError(
-        f"{workdir!r} has no checkpoints/ directory: give the --workdir of a `zoo run`."
+      f"{workdir!r} has no checkpoints/ directory: give the --workdir of a `zoo run`."
     )
   ckpts = Checkpoints(workdir, read_only=True)
   step = ckpts.latest_step()

@@ -26,7 +26,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
   while i < len(argv):
     arg = argv[i]
     if arg.startswith("--config."):
-      key, eq, value = arg[len("--config."):].partition("=")
+      key, eq, value = arg[len("--config.") :].partition("=")
       if not eq:
         if i + 1 >= len(argv):
           raise UserError(f"{arg} has no value: write {arg}=VALUE.")
@@ -123,16 +123,23 @@ def cmd_generate(args, _overrides):
   if len(prompt) == 0:
     raise UserError("The prompt is empty: give --prompt TEXT.")
   out = sampling.generate(
-      (graphdef, params), prompt[None], max_new_tokens=args.max_new_tokens,
-      rng=jax.random.key(args.seed), temperature=args.temperature, top_k=args.top_k,
-      top_p=args.top_p,
+    (graphdef, params),
+    prompt[None],
+    max_new_tokens=args.max_new_tokens,
+    rng=jax.random.key(args.seed),
+    temperature=args.temperature,
+    top_k=args.top_k,
+    top_p=args.top_p,
   )
   print(tokenizer.decode(out[0].tolist()))
 
 
 COMMANDS = {
-    "list": cmd_list, "show": cmd_show, "run": cmd_run, "eval": cmd_eval,
-    "generate": cmd_generate,
+  "list": cmd_list,
+  "show": cmd_show,
+  "run": cmd_run,
+  "eval": cmd_eval,
+  "generate": cmd_generate,
 }
 
 

@@ -54,8 +54,8 @@ def _parse(text: str, current, key: str):
       return type(current)(value)
   type_name = "a list" if isinstance(current, list | tuple) else type(current).__name__
   raise UserError(
-      f"--config.{key}={text}: {key} takes {type_name} (it is {current!r} now), "
-      f"and {text!r} is not one. Give a value of that type, e.g. --config.{key}={current!r}."
+    f"--config.{key}={text}: {key} takes {type_name} (it is {current!r} now), "
+    f"and {text!r} is not one. Give a value of that type, e.g. --config.{key}={current!r}."
   )
 
 
@@ -67,12 +67,12 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]):
       subtree = [k for k in keys if k.startswith(key + ".")]
       if subtree:
         raise UserError(
-            f"--config.{key} names a group of keys, not one value: set them one by one "
-            f"({', '.join('--config.' + k for k in subtree[:4])}...)."
+          f"--config.{key} names a group of keys, not one value: set them one by one "
+          f"({', '.join('--config.' + k for k in subtree[:4])}...)."
         )
       raise UserError(
-          f"Unknown config key {key!r}.{suggest(key, keys)} "
-          "`zoo show EXP` lists every key the experiment has."
+        f"Unknown config key {key!r}.{suggest(key, keys)} "
+        "`zoo show EXP` lists every key the experiment has."
       )
     *parents, leaf = key.split(".")
     node = cfg

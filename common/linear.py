@@ -20,24 +20,24 @@ class Linear(nnx.Module):
   """
 
   def __init__(
-      self,
-      in_features: int,
-      out_features: int,
-      *,
-      use_bias: bool = False,
-      axes: Axes = (None, None),
-      init_std: float = 0.02,
-      dtype=jnp.float32,
-      param_dtype=jnp.float32,
-      rngs: nnx.Rngs,
+    self,
+    in_features: int,
+    out_features: int,
+    *,
+    use_bias: bool = False,
+    axes: Axes = (None, None),
+    init_std: float = 0.02,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
   ):
     self.in_features, self.out_features = in_features, out_features
     self.dtype = dtype
     self.kernel = nnx.Param(
-        normal(init_std)(rngs.params(), (in_features, out_features), param_dtype), axes=axes
+      normal(init_std)(rngs.params(), (in_features, out_features), param_dtype), axes=axes
     )
     self.bias = (
-        nnx.Param(jnp.zeros((out_features,), param_dtype), axes=axes[1:]) if use_bias else None
+      nnx.Param(jnp.zeros((out_features,), param_dtype), axes=axes[1:]) if use_bias else None
     )
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -52,18 +52,18 @@ class Embedding(nnx.Module):
   """Token ids -> vectors; `attend` reuses the table as the output projection (tied weights)."""
 
   def __init__(
-      self,
-      vocab_size: int,
-      dim: int,
-      *,
-      init_std: float = 0.02,
-      dtype=jnp.float32,
-      param_dtype=jnp.float32,
-      rngs: nnx.Rngs,
+    self,
+    vocab_size: int,
+    dim: int,
+    *,
+    init_std: float = 0.02,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
   ):
     self.vocab_size, self.dim, self.dtype = vocab_size, dim, dtype
     self.embedding = nnx.Param(
-        normal(init_std)(rngs.params(), (vocab_size, dim), param_dtype), axes=("V", "D")
+      normal(init_std)(rngs.params(), (vocab_size, dim), param_dtype), axes=("V", "D")
     )
 
   def __call__(self, tokens_BT: jax.Array) -> jax.Array:

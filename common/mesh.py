@@ -14,20 +14,20 @@ def resolve(mesh_cfg, num_devices: int) -> dict[str, int]:
   bad = [a for a, s in sizes.items() if s == 0 or s < -1]
   if bad or len(free) > 1:
     raise UserError(
-        f"mesh {sizes}: each of mesh.data, mesh.fsdp, mesh.tensor is a positive size, and at "
-        "most one may be -1 (the remaining devices)."
+      f"mesh {sizes}: each of mesh.data, mesh.fsdp, mesh.tensor is a positive size, and at "
+      "most one may be -1 (the remaining devices)."
     )
   fixed = math.prod(s for s in sizes.values() if s != -1)
   if free:
     if num_devices % fixed:
       raise UserError(
-          f"mesh {sizes}: the fixed sizes multiply to {fixed}, which does not divide the "
-          f"{num_devices} devices. Choose sizes whose product divides {num_devices}."
+        f"mesh {sizes}: the fixed sizes multiply to {fixed}, which does not divide the "
+        f"{num_devices} devices. Choose sizes whose product divides {num_devices}."
       )
     sizes[free[0]] = num_devices // fixed
   elif fixed != num_devices:
     raise UserError(
-        f"mesh {sizes} needs {fixed} devices but {num_devices} are present. Set the sizes to "
-        f"multiply to {num_devices}, or one of them to -1."
+      f"mesh {sizes} needs {fixed} devices but {num_devices} are present. Set the sizes to "
+      f"multiply to {num_devices}, or one of them to -1."
     )
   return sizes

@@ -9,11 +9,11 @@ from common.errors import UserError
 from common.linear import Linear
 
 ACTIVATIONS = {
-    "swiglu": jax.nn.silu,
-    "geglu": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's "gelu_new"
-    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),  # BERT's "gelu"
-    "relu": jax.nn.relu,
+  "swiglu": jax.nn.silu,
+  "geglu": lambda x: jax.nn.gelu(x, approximate=True),
+  "gelu": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's "gelu_new"
+  "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),  # BERT's "gelu"
+  "relu": jax.nn.relu,
 }
 GATED = {"swiglu", "geglu"}
 
@@ -26,14 +26,14 @@ class MLP(nnx.Module):
   """Gated: down(act(gate(x)) * up(x)); plain: down(act(up(x)))."""
 
   def __init__(
-      self,
-      cfg,
-      dim: int,
-      *,
-      out_init_std: float = 0.02,
-      dtype=jnp.float32,
-      param_dtype=jnp.float32,
-      rngs: nnx.Rngs,
+    self,
+    cfg,
+    dim: int,
+    *,
+    out_init_std: float = 0.02,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
   ):
     if cfg.kind not in ACTIVATIONS:
       raise UserError(f"Unknown MLP kind {cfg.kind!r}: use one of {sorted(ACTIVATIONS)}.")

@@ -22,13 +22,13 @@ class RMSNorm(nnx.Module):
 
 class LayerNorm(nnx.Module):
   def __init__(
-      self,
-      dim: int,
-      *,
-      eps: float = 1e-5,
-      use_bias: bool = True,
-      dtype=jnp.float32,
-      param_dtype=jnp.float32,
+    self,
+    dim: int,
+    *,
+    eps: float = 1e-5,
+    use_bias: bool = True,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
   ):
     self.eps, self.dtype = eps, dtype
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=("D",))

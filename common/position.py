@@ -40,15 +40,15 @@ def config(kind: str = "rope", **kw) -> ml_collections.ConfigDict:
 def rope_scaling(kind: str = "none", **kw) -> ml_collections.ConfigDict:
   """RoPE frequency scaling, as Hugging Face's `rope_scaling` (rope_type and its fields)."""
   defaults = {
-      "none": {},
-      "linear": {"factor": 1.0},
-      "llama3": {
-          "factor": 8.0,
-          "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0,
-          "original_max_len": 8192,
-      },
-      "yarn": {"factor": 4.0, "original_max_len": 4096, "beta_fast": 32.0, "beta_slow": 1.0},
+    "none": {},
+    "linear": {"factor": 1.0},
+    "llama3": {
+      "factor": 8.0,
+      "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0,
+      "original_max_len": 8192,
+    },
+    "yarn": {"factor": 4.0, "original_max_len": 4096, "beta_fast": 32.0, "beta_slow": 1.0},
   }
   if kind not in defaults:
     raise UserError(f"Unknown RoPE scaling {kind!r}: use one of {list(defaults)}.")
@@ -71,7 +71,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling) -> tuple[np.ndarray, 
     low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     smooth = (old / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
+      scaling.high_freq_factor - scaling.low_freq_factor
     )
     mid = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
     out = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
@@ -81,9 +81,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling) -> tuple[np.ndarray, 
 
     def correction_dim(num_rotations):
       return (
-          head_dim
-          * math.log(scaling.original_max_len / (num_rotations * 2 * math.pi))
-          / (2 * math.log(theta))
+        head_dim
+        * math.log(scaling.original_max_len / (num_rotations * 2 * math.pi))
+        / (2 * math.log(theta))
       )
 
     low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
@@ -157,7 +157,7 @@ class Learned(Position):
   def __init__(self, max_len: int, dim: int, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
     self.max_len = max_len
     self.embedding = nnx.Param(
-        normal(0.02)(rngs.params(), (max_len, dim), param_dtype), axes=(None, "D")
+      normal(0.02)(rngs.params(), (max_len, dim), param_dtype), axes=(None, "D")
     )
 
   def embed(self, x_BTD, positions_BT):
@@ -181,7 +181,7 @@ def positions_from_segments(segment_ids_BT: jax.Array) -> jax.Array:
   B, T = segment_ids_BT.shape
   idx_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
   is_start = jnp.concatenate(
-      [jnp.ones((B, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1
+    [jnp.ones((B, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1
   )
   start_BT = jax.lax.cummax(jnp.where(is_start, idx_BT, 0), axis=1)
   return idx_BT - start_BT

