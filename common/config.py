@@ -82,8 +82,21 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]):
   return cfg
 
 
+def differences(old, new, *, within: tuple[str, ...] = ("",), limit: int = 6) -> list[str]:
+  """'key: old -> new' for each leaf (under the prefixes `within`) that differs, both sides
+  compared as JSON would store them (so a tuple equals the list it is saved as)."""
+  a, b = (flatten(from_json(to_json(c))) for c in (old, new))
+  keys = sorted(
+    k
+    for k in set(a) | set(b)
+    if k.startswith(within) and a.get(k, "<absent>") != b.get(k, "<absent>")
+  )
+  return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys[:limit]]
+
+
 def to_json(cfg) -> str:
-  return json.dumps(cfg.to_dict(), indent=2, sort_keys=True, default=str)
+  tree = cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else cfg
+  return json.dumps(tree, indent=2, sort_keys=True, default=str)
 
 
 def from_json(text: str) -> ml_collections.ConfigDict:

@@ -124,14 +124,12 @@ def restore_params(cfg, workdir: str) -> tuple[nnx.GraphDef, nnx.State, int]:
   ckpts, step = checkpoint.open_latest(workdir)
   try:
     # A checkpoint of another model fails deep in orbax: say which keys differ instead.
-    saved = config_lib.flatten(ml_collections.ConfigDict(ckpts.meta(step)["model"]))
-    want = config_lib.flatten(config_lib.from_json(config_lib.to_json(cfg.model)))
-    changed = sorted(k for k in set(saved) | set(want) if saved.get(k) != want.get(k))
+    saved = ml_collections.ConfigDict({"model": ckpts.meta(step)["model"]})
+    changed = config_lib.differences(saved, {"model": cfg.model.to_dict()})
     if changed:
       raise UserError(
-        f"{workdir} holds a checkpoint of a different model ("
-        + "; ".join(f"model.{k}: {saved.get(k)!r} -> {want.get(k)!r}" for k in changed[:6])
-        + "): give the experiment (and --config overrides) that trained it."
+        f"{workdir} holds a checkpoint of a different model ({'; '.join(changed)}): give the "
+        "experiment (and --config overrides) that trained it."
       )
     state = ckpts.restore(step, abstract_state(cfg, tx))
   finally:
@@ -145,17 +143,13 @@ def check_workdir(cfg, workdir: str):
   path = os.path.join(workdir, "config.json")
   if os.path.exists(path):
     with open(path) as f:
-      old = config_lib.flatten(config_lib.from_json(f.read()))
-    new = config_lib.flatten(cfg)
-    fixed = [k for k in set(old) | set(new) if k.split(".")[0] in ("model", "data")]
-    changed = sorted(k for k in fixed if old.get(k, "<absent>") != new.get(k, "<absent>"))
+      old = config_lib.from_json(f.read())
+    changed = config_lib.differences(old, cfg, within=("model.", "data."))
     if changed:
-      diffs = "; ".join(
-        f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in changed[:6]
-      )
       raise UserError(
-        f"{workdir} holds a run of a different model or data ({diffs}). Resuming it with this "
-        "experiment would mix the two: use a new --workdir, or the settings of the first run."
+        f"{workdir} holds a run of a different model or data ({'; '.join(changed)}). Resuming "
+        "it with this experiment would mix the two: use a new --workdir, or the settings of "
+        "the first run."
       )
   if jax.process_index() == 0:
     with open(path, "w") as f:

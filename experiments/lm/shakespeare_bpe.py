@@ -41,8 +41,8 @@ def get_config(arg=None):
 
   # Training
   c.train = ml_collections.ConfigDict(dict(
-      steps=1000, batch_size=32, log_every=10, eval_every=500, eval_batches=0,
-      checkpoint_every=500, keep_checkpoints=3,
+      steps=450, batch_size=32, log_every=10, eval_every=450, eval_batches=0,
+      checkpoint_every=150, keep_checkpoints=3,
   ))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
 

@@ -187,3 +187,10 @@ def test_json_round_trip():
 )
 def test_split_arg(exp, expected):
   assert experiments.split_arg(exp) == expected
+
+
+def test_differences_names_changed_keys_and_ignores_tuple_vs_list():
+  old = ml_collections.ConfigDict({"model": {"dim": 64, "shape": (1, 2)}, "train": {"steps": 1}})
+  new = ml_collections.ConfigDict({"model": {"dim": 32, "shape": [1, 2]}, "train": {"steps": 2}})
+  assert config_lib.differences(old, new, within=("model.",)) == ["model.dim: 64 -> 32"]
+  assert config_lib.differences(old, new) == ["model.dim: 64 -> 32", "train.steps: 1 -> 2"]

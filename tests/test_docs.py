@@ -1,0 +1,38 @@
+"""README, CONTRIBUTING and CI stay true to each other and to the tree."""
+
+import pathlib
+import re
+
+from experiments import REGISTRY
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def readme_commands() -> list[str]:
+  return re.findall(r"```bash\n(python3 -m venv .*)\n```", README)
+
+
+def test_readme_gives_the_two_commands():
+  run, test = readme_commands()
+  assert "zoo run lm/shakespeare-char" in run
+  assert "pytest" in test
+
+
+def test_ci_runs_readmes_test_command():
+  _, test = readme_commands()
+  after_activate = test.split("bin/activate && ", 1)[1]
+  assert after_activate in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_names_every_experiment():
+  for name in REGISTRY:
+    assert f"`{name}`" in README or f"`{name}:" in README or name in README, name
+
+
+def test_contributing_names_real_paths():
+  text = (ROOT / "CONTRIBUTING.md").read_text()
+  for path in re.findall(r"`((?:common|zoo|experiments|tests)/[\w./]+\.py)`", text):
+    if "<" not in path:
+      assert (ROOT / path).exists(), path
+  assert "UPDATE_GOLDEN=1" in text and (ROOT / "tests" / "golden").is_dir()
