@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from common import norms
+from common import norms, parallel
 from common.errors import UserError
 from common.linear import Linear
 from common.position import Position
@@ -171,10 +171,11 @@ class Attention(nnx.Module):
     cache: KVCache | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     B, T, _ = x_BTD.shape
-    N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
-    q_BTNH = self.q(x_BTD).reshape(B, T, N, H)
-    k_BTKH = self.k(x_BTD).reshape(B, T, K, H)
-    v_BTKH = self.v(x_BTD).reshape(B, T, K, H)
+    H = self.head_dim
+    # -1: under tensor parallelism this device holds N / tensor query and K / tensor kv heads.
+    q_BTNH = self.q(x_BTD).reshape(B, T, -1, H)
+    k_BTKH = self.k(x_BTD).reshape(B, T, -1, H)
+    v_BTKH = self.v(x_BTD).reshape(B, T, -1, H)
     if self.q_norm is not None:
       q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
     q_BTNH = position.rotate(q_BTNH, positions_BT)
@@ -202,7 +203,9 @@ class Attention(nnx.Module):
     mask_BTS = make_mask(
       q_idx_T, k_idx_S, segment_ids_BT, k_seg_BS, causal=self.causal, window=self.window
     )
-    bias = position.logit_bias(positions_BT, k_pos_BS, N)
+    bias = position.logit_bias(positions_BT, k_pos_BS, self.num_heads)
+    if bias is not None:
+      bias = parallel.local_heads(bias, axis=1)
     out_BTNH = attend(
       q_BTNH,
       k_BSKH.astype(q_BTNH.dtype),
@@ -211,4 +214,4 @@ class Attention(nnx.Module):
       bias_BNTS=bias,
       softcap=self.softcap,
     )
-    return self.o(out_BTNH.reshape(B, T, N * H)), cache
+    return self.o(out_BTNH.reshape(B, T, -1)), cache

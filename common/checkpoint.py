@@ -3,15 +3,21 @@
 Each step holds three items: `state` (params, optimizer state, step, RNG), `data` (the grain
 iterator state) and `meta` (the family and model config: what makes it a zoo checkpoint, so a
 model can be rebuilt without the experiment). Orbax writes a step into a temporary directory and
-renames it when complete, so a half-written step is never listed as the latest.
+renames it when complete, so a half-written step is never listed as the latest; the temporary
+directory a killed save leaves is removed at the next start. Old steps are garbage-collected only
+after a newer one is complete. A step whose files are damaged is found at restore, set aside as
+`<step>.damaged`, and the newest good one used instead.
 """
 
 import os
+import shutil
 
 import grain
+import jax
 import orbax.checkpoint as ocp
 
 from common.errors import UserError
+from common.faults import warn
 
 
 def directory(workdir: str) -> str:
@@ -21,6 +27,9 @@ def directory(workdir: str) -> str:
 class Checkpoints:
   def __init__(self, workdir: str, *, keep: int = 3, read_only: bool = False):
     self.path = directory(workdir)
+    self.read_only = read_only
+    if not read_only:
+      remove_unfinished(self.path)
     self.manager = ocp.CheckpointManager(
       self.path,
       options=ocp.CheckpointManagerOptions(
@@ -34,20 +43,23 @@ class Checkpoints:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def save(self, step: int, state, *, data_iterator, meta: dict, force: bool = False):
-    self.manager.save(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        data=grain.checkpoint.CheckpointSave(data_iterator),
-        meta=ocp.args.JsonSave(meta),
-      ),
-      force=force,
-    )
+  def save(self, step: int, state, *, data_iterator=None, meta: dict, force: bool = False):
+    """`data_iterator` None: no data item (a `zoo convert` checkpoint, which holds params only)."""
+    items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+    if data_iterator is not None:
+      items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+    self.manager.save(step, args=ocp.args.Composite(**items), force=force)
 
   def restore(self, step: int, abstract_state, *, data_iterator=None):
-    """The state at `step` (and the data iterator moved to where it was)."""
-    items = {"state": ocp.args.StandardRestore(abstract_state)}
+    """The state at `step` (and the data iterator moved to where it was). A dict restores only
+    the entries it names (`{"params": ...}`): the params of any run whatever its optimizer, and
+    of a `zoo convert` checkpoint, which holds nothing else."""
+    if isinstance(abstract_state, dict):
+      restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+      args = ocp.args.PyTreeRestore(abstract_state, restore_args, partial_restore=True)
+      items = {"state": args}
+    else:
+      items = {"state": ocp.args.StandardRestore(abstract_state)}
     if data_iterator is not None:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
     return self.manager.restore(step, args=ocp.args.Composite(**items)).state
@@ -55,11 +67,72 @@ class Checkpoints:
   def meta(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
+  def restore_latest(self, abstract_state, *, data_iterator=None):
+    """The state of the newest step that restores whole (state, data iterator and meta), or None
+    when there is no step.
+
+    A newer step that fails while an older one restores is damaged: a warning names it, and
+    unless read-only it is renamed `<step>.damaged` (kept for inspection, never taken again).
+    When every step fails, nothing is moved (a changed optimizer config fails that way too).
+    """
+    failures = {}  # step -> why it did not restore
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        state = self.restore(step, abstract_state, data_iterator=data_iterator)
+        self.meta(step)
+      except Exception as e:  # orbax and tensorstore raise many types for a damaged file
+        # The first sentence: tensorstore appends a page of its spec.
+        failures[step] = (
+          f"{type(e).__name__}: {str(e).split('. See full')[0].splitlines()[0][:200]}"
+        )
+        continue
+      for bad, why in failures.items():
+        self.set_aside(bad, why, good=step)
+      return state
+    if failures:
+      raise UserError(
+        f"No checkpoint in {self.path} restores:\n  "
+        + "\n  ".join(f"step {step}: {why}" for step, why in failures.items())
+        + "\nIf the optimizer or model settings changed since they were saved, rerun with "
+        "those of the run; if the files are damaged, move them away to start over."
+      )
+    return None
+
+  def set_aside(self, step: int, why: str, *, good: int):
+    path = os.path.join(self.path, str(step))
+    if self.read_only or jax.process_index() != 0:
+      warn(f"checkpoint {path} is damaged ({why}); using step {good} instead.")
+      return
+    aside, n = f"{path}.damaged", 1
+    while os.path.exists(aside):  # set aside before, resumed, damaged again: keep both
+      n += 1
+      aside = f"{path}.damaged{n}"
+    os.rename(path, aside)
+    self.manager.reload()  # orbax lists steps once; without this it would still count `step`
+    warn(f"checkpoint {path} is damaged ({why}); moved it to {aside}, using step {good} instead.")
+
   def wait(self):
     self.manager.wait_until_finished()
 
   def close(self):
     self.manager.close()
+
+
+def has_steps(workdir: str) -> bool:
+  """Whether the workdir holds a finished checkpoint step (a directory named by its number)."""
+  path = directory(workdir)
+  return os.path.isdir(path) and any(name.isdigit() for name in os.listdir(path))
+
+
+def remove_unfinished(path: str):
+  """Deletes the temporary directories of saves that a kill interrupted: orbax renames a step
+  into place only when it is complete, so these never hold a usable checkpoint."""
+  if jax.process_index() != 0 or not os.path.isdir(path):
+    return
+  for name in sorted(os.listdir(path)):
+    if ocp.path.step.TMP_DIR_SUFFIX in name:
+      shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+      warn(f"removed {os.path.join(path, name)}, the unfinished save of an interrupted run.")
 
 
 def open_latest(workdir: str) -> tuple["Checkpoints", int]:

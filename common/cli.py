@@ -1,11 +1,12 @@
-"""The `zoo` command: list, show, run, eval, generate. See DESIGN.md for the contract."""
+"""The `zoo` command: list, show, run, eval, generate, convert, export. See DESIGN.md for the
+contract."""
 
 import argparse
 import json
 import os
 import sys
 
-from common.errors import UserError
+from common.errors import Preempted, UserError
 
 USAGE = """\
 zoo list                                          # the experiments, one line each
@@ -13,6 +14,8 @@ zoo show EXP [--config.KEY=VALUE ...]             # the resolved config and para
 zoo run  EXP --workdir DIR [--config.KEY=VALUE ...]   # train; resumes if DIR has a checkpoint
 zoo eval EXP --workdir DIR [--config.KEY=VALUE ...]   # held-out loss of DIR's latest checkpoint
 zoo generate --workdir DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
+zoo convert hf SRC_DIR --out DIR [--param-dtype float32]  # Hugging Face dir -> zoo checkpoint
+zoo export hf --workdir DIR --out DIR             # zoo checkpoint -> Hugging Face dir
 
 EXP is a registered name (lm/shakespeare-char) or a path to an experiment file, either with an
 optional argument after a colon (lm/llama3-8b:smoke).
@@ -49,12 +52,18 @@ def parser() -> argparse.ArgumentParser:
   sub.add_parser("list")
   show = sub.add_parser("show")
   show.add_argument("exp")
+  show.add_argument("--mesh-rule", help="pick the mesh rule for this hardware name")
   for name in ("run", "eval"):
     s = sub.add_parser(name)
     s.add_argument("exp")
     s.add_argument("--workdir", required=True)
+    s.add_argument("--mesh-rule", help="pick the mesh rule for this hardware name")
     if name == "run":
       s.add_argument("--quiet", action="store_true", help="no progress bar")
+    # Several hosts: one process each, as torchrun's flags (see README, "Several hosts").
+    s.add_argument("--coordinator", help="HOST:PORT of process 0")
+    s.add_argument("--num-processes", type=int)
+    s.add_argument("--process-id", type=int)
   gen = sub.add_parser("generate")
   gen.add_argument("--workdir", required=True)
   gen.add_argument("--prompt", required=True)
@@ -63,7 +72,23 @@ def parser() -> argparse.ArgumentParser:
   gen.add_argument("--top-k", type=int, default=0)
   gen.add_argument("--top-p", type=float, default=1.0)
   gen.add_argument("--seed", type=int, default=0)
+  conv = sub.add_parser("convert")
+  conv.add_argument("format", choices=["hf"])
+  conv.add_argument("src")
+  conv.add_argument("--out", required=True)
+  conv.add_argument("--param-dtype", default="float32")
+  exp = sub.add_parser("export")
+  exp.add_argument("format", choices=["hf"])
+  exp.add_argument("--workdir", required=True)
+  exp.add_argument("--out", required=True)
   return p
+
+
+def hardware(args) -> str:
+  """The hardware name mesh rules match: --mesh-rule's, or the devices found."""
+  from common import mesh
+
+  return args.mesh_rule or mesh.hardware_name()
 
 
 def cmd_list(_args, _overrides):
@@ -78,23 +103,26 @@ def cmd_list(_args, _overrides):
 def cmd_show(args, overrides):
   from common import experiments, models
 
-  cfg = experiments.get_config(args.exp, overrides)
+  cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
   print(cfg)
+  print(f"# mesh rule: {cfg.mesh_rule}")
   print(f"# parameters: {models.num_params(cfg.model):,} (computed abstractly, nothing allocated)")
 
 
 def cmd_run(args, overrides):
-  from common import experiments, trainer
+  from common import distributed, experiments, trainer
 
-  cfg = experiments.get_config(args.exp, overrides)
+  distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+  cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
   last = trainer.train(cfg, args.workdir, progress=not args.quiet)
   print(json.dumps({"workdir": args.workdir, **last}))
 
 
 def cmd_eval(args, overrides):
-  from common import data, experiments, tokenizers, trainer
+  from common import data, distributed, experiments, tokenizers, trainer
 
-  cfg = experiments.get_config(args.exp, overrides)
+  distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+  cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
   graphdef, params, step = trainer.restore_params(cfg, args.workdir)
   rows = data.load_split(cfg.data, "eval", tokenizers.load(cfg.data.tokenizer))
   if rows is None:
@@ -110,13 +138,15 @@ def cmd_generate(args, _overrides):
   import jax
 
   from common import config as config_lib
-  from common import sampling, tokenizers, trainer
+  from common import models, sampling, tokenizers, trainer
 
   path = os.path.join(args.workdir, "config.json")
   if not os.path.exists(path):
     raise UserError(f"{args.workdir} has no config.json: give the --workdir of a `zoo run`.")
   with open(path) as f:
     cfg = config_lib.from_json(f.read())
+  if not hasattr(models.family_module(cfg.model.family).Model, "init_cache"):
+    raise UserError(f"{cfg.model.family} is an encoder: `zoo generate` needs a decoder.")
   graphdef, params, _ = trainer.restore_params(cfg, args.workdir)
   tokenizer = tokenizers.load(cfg.data.tokenizer)
   prompt = tokenizer.encode(args.prompt)
@@ -134,12 +164,26 @@ def cmd_generate(args, _overrides):
   print(tokenizer.decode(out[0].tolist()))
 
 
+def cmd_convert(args, _overrides):
+  from common import hub
+
+  print(json.dumps(hub.convert_hf(args.src, args.out, param_dtype=args.param_dtype)))
+
+
+def cmd_export(args, _overrides):
+  from common import hub
+
+  print(json.dumps(hub.export_hf(args.workdir, args.out)))
+
+
 COMMANDS = {
   "list": cmd_list,
   "show": cmd_show,
   "run": cmd_run,
   "eval": cmd_eval,
   "generate": cmd_generate,
+  "convert": cmd_convert,
+  "export": cmd_export,
 }
 
 
@@ -151,12 +195,15 @@ def main(argv: list[str] | None = None) -> int:
   try:
     rest, overrides = split_overrides(argv)
     args = parser().parse_args(rest)
-    if overrides and args.command in ("list", "generate"):
+    if overrides and args.command in ("list", "generate", "convert", "export"):
       raise UserError(f"`zoo {args.command}` takes no --config overrides.")
     COMMANDS[args.command](args, overrides)
   except UserError as e:
     print(f"zoo: error: {e}", file=sys.stderr)
     return 2
+  except Preempted as e:  # SIGTERM/SIGINT: a checkpoint is saved, rerunning resumes
+    print(f"zoo: {e}", file=sys.stderr)
+    return e.exit_code
   return 0
 
 

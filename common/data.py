@@ -44,14 +44,14 @@ def read_shakespeare(plays: list[str]) -> list[str]:
   ]
 
 
-def expand_files(patterns: str) -> list[str]:
+def expand_files(patterns: str, key: str = "data.train_files") -> list[str]:
   """Comma-separated paths or globs -> sorted files; nothing matched is a UserError."""
   files = []
   for pattern in [p.strip() for p in patterns.split(",") if p.strip()]:
     matched = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
     matched = [m for m in matched if os.path.isfile(m)]
     if not matched:
-      raise UserError(f"No data file matches {pattern!r}: check the path (data.train_files).")
+      raise UserError(f"No data file matches {pattern!r}: check the path ({key}).")
     files += matched
   if not files:
     raise UserError("No data files given: set --config.data.train_files=PATH_OR_GLOB.")
@@ -72,7 +72,13 @@ def read_files(files: list[str], *, text_field: str = "text") -> list[str]:
                 raise UserError(f"{path}:{n} has no field {text_field!r} (data.text_field).")
               docs.append(record[text_field])
         else:
-          docs.append(f.read())
+          text = f.read()
+          if "\0" in text:  # valid UTF-8 but binary (an archive, an array, a model file)
+            raise UserError(
+              f"{path} is not a text file (it holds NUL bytes): point data.train_files and "
+              "data.eval_files at text or .jsonl files."
+            )
+          docs.append(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
       raise UserError(
         f"{path} is not a UTF-8 {'JSONL' if path.endswith('.jsonl') else 'text'} file "
@@ -95,7 +101,7 @@ def documents(cfg, split: str) -> list[str]:
     pattern = cfg.train_files if split == "train" else cfg.eval_files
     if split == "eval" and not pattern:
       return []
-    return read_files(expand_files(pattern), text_field=cfg.text_field)
+    return read_files(expand_files(pattern, f"data.{split}_files"), text_field=cfg.text_field)
   raise UserError(f"Unknown data kind {cfg.kind!r}: use 'shakespeare' or 'files'.")
 
 
@@ -152,6 +158,9 @@ def config(**kw) -> ml_collections.ConfigDict:
     "text_field": "text",
     "tokenizer": tokenizers.config("bytes"),
     "seq_len": 128,
+    # A document (JSONL record or text file) longer than a row of seq_len + 1 tokens: "split"
+    # continues it into the next rows, "error" refuses the data.
+    "long_records": "split",
   }
   unknown = set(kw) - set(cfg)
   if unknown:
@@ -174,6 +183,7 @@ def load_split(cfg, split: str, tokenizer=None) -> Rows | None:
     docs_tokens.append(t)
   if not any(len(t) for t in docs_tokens):
     raise UserError(f"The {split} data is empty: its files hold no text.")
+  check_lengths(docs, docs_tokens, cfg, split)
   packed = pack(docs_tokens, cfg.seq_len + 1, pad_last=split == "eval")
   if len(packed["tokens"]) == 0:
     raise UserError(
@@ -181,6 +191,22 @@ def load_split(cfg, split: str, tokenizer=None) -> Rows | None:
       "or lower data.seq_len."
     )
   return Rows(packed, f"{cfg.kind}:{split}:{cfg.seq_len}")
+
+
+def check_lengths(docs: list[str], docs_tokens: list[np.ndarray], cfg, split: str):
+  """Under data.long_records="error", a UserError for the first document longer than a row."""
+  policy, row = cfg.get("long_records", "split"), cfg.seq_len + 1
+  if policy not in ("split", "error"):
+    raise UserError(f"Unknown data.long_records {policy!r}: use 'split' or 'error'.")
+  if policy == "error":
+    for i, t in enumerate(docs_tokens):
+      if len(t) > row:
+        raise UserError(
+          f"Document {i + 1} of the {split} data ({docs[i][:40]!r}...) has {len(t)} tokens, more "
+          f"than a row of seq_len + 1 = {row} (data.long_records='error'). Raise data.seq_len, "
+          "shorten or drop the record, or set data.long_records=split to continue it in the "
+          "next rows."
+        )
 
 
 def process_slice(batch_size: int) -> slice:

@@ -8,6 +8,7 @@ import os
 import ml_collections
 
 from common import config as config_lib
+from common import mesh
 from common.errors import UserError, suggest
 from experiments import REGISTRY
 
@@ -52,7 +53,11 @@ def load_module(name: str):
   )
 
 
-def get_config(exp: str, overrides: dict[str, str] | None = None) -> ml_collections.ConfigDict:
+def get_config(
+  exp: str, overrides: dict[str, str] | None = None, *, hardware: str | None = None
+) -> ml_collections.ConfigDict:
+  """The experiment's config; on `hardware` (see common.mesh.hardware_name), the first of its
+  `mesh_rules` that matches is applied first, then the command line's overrides."""
   name, arg = split_arg(exp)
   module = load_module(name)
   args = getattr(module, "ARGS", ("smoke",))
@@ -62,6 +67,17 @@ def get_config(exp: str, overrides: dict[str, str] | None = None) -> ml_collecti
   missing = [k for k in COMMON_KEYS if k not in config_lib.flatten(cfg)]
   if missing:
     raise UserError(f"Experiment {name} lacks the common keys {missing} (see DESIGN.md).")
+  cfg.mesh_rule = ""
+  if hardware is not None:
+    rule = mesh.pick_rule(cfg.get("mesh_rules", []), hardware)
+    if rule is not None:
+      pattern, rule_overrides = rule
+      config_lib.apply_overrides(cfg, {k: str(v) for k, v in rule_overrides.items()})
+    cfg.mesh_rule = (
+      f"{hardware} matches {pattern!r}: {rule_overrides}"
+      if rule
+      else f"{hardware} matches no mesh rule: the mesh as written"
+    )
   cfg = config_lib.apply_overrides(cfg, overrides or {})
   cfg.experiment = exp
   return cfg

@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from common import parallel
+
 Axes = tuple[str | None, ...]
 
 
@@ -32,7 +34,7 @@ class Linear(nnx.Module):
     rngs: nnx.Rngs,
   ):
     self.in_features, self.out_features = in_features, out_features
-    self.dtype = dtype
+    self.dtype, self.axes = dtype, axes
     self.kernel = nnx.Param(
       normal(init_std)(rngs.params(), (in_features, out_features), param_dtype), axes=axes
     )
@@ -42,10 +44,11 @@ class Linear(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     *lead, d = x.shape
-    y = jnp.dot(x.reshape(-1, d).astype(self.dtype), self.kernel[...].astype(self.dtype))
+    kernel = parallel.gather(self.kernel[...], self.axes).astype(self.dtype)
+    y = parallel.reduce(jnp.dot(x.reshape(-1, d).astype(self.dtype), kernel), self.axes[0])
     if self.bias is not None:
-      y = y + self.bias[...].astype(self.dtype)
-    return y.reshape(*lead, self.out_features)
+      y = y + self.bias[...].astype(self.dtype)  # after the reduce: added once, not per shard
+    return y.reshape(*lead, kernel.shape[1])
 
 
 class Embedding(nnx.Module):
@@ -67,10 +70,18 @@ class Embedding(nnx.Module):
     )
 
   def __call__(self, tokens_BT: jax.Array) -> jax.Array:
-    return jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.dtype)
+    table_VD = parallel.gather(self.embedding[...], ("V", "D"))
+    if not parallel.tensor_split("V"):
+      return jnp.take(table_VD, tokens_BT, axis=0).astype(self.dtype)
+    # Vocab-parallel: each device looks up the ids in its slice of the table, zeros elsewhere.
+    local_ids = tokens_BT - parallel.tensor_index() * table_VD.shape[0]
+    here = (local_ids >= 0) & (local_ids < table_VD.shape[0])
+    rows = jnp.take(table_VD, jnp.clip(local_ids, 0, table_VD.shape[0] - 1), axis=0)
+    return parallel.psum_tensor(jnp.where(here[..., None], rows, 0)).astype(self.dtype)
 
   def attend(self, x_BTD: jax.Array) -> jax.Array:
+    """Logits [B, T, V] (this device's vocab slice when the vocab is split over tensor)."""
     *lead, d = x_BTD.shape
-    table_VD = self.embedding[...].astype(self.dtype)
+    table_VD = parallel.gather(self.embedding[...], ("V", "D")).astype(self.dtype)
     logits = jnp.dot(x_BTD.reshape(-1, d).astype(self.dtype), table_VD.T)
-    return logits.reshape(*lead, self.vocab_size)
+    return logits.reshape(*lead, table_VD.shape[0])

@@ -31,3 +31,29 @@ def resolve(mesh_cfg, num_devices: int) -> dict[str, int]:
       f"multiply to {num_devices}, or one of them to -1."
     )
   return sizes
+
+
+# Mesh rules (AXLearn's idea): an experiment lists (hardware pattern, overrides) pairs; the first
+# pattern that matches the hardware found at start-up sets the mesh and memory levers for it.
+
+
+def hardware_name(devices=None) -> str:
+  """`cpux1`, `gpu-nvidia-h100-80gb-hbm3x8`, `tpu-v5px64`: the device kind and count."""
+  import jax
+
+  devices = devices if devices is not None else jax.devices()
+  d = devices[0]
+  kind = d.device_kind.lower().replace(" ", "-")
+  if not kind.startswith(d.platform):
+    kind = f"{d.platform}-{kind}"
+  return f"{kind}x{len(devices)}"
+
+
+def pick_rule(rules, hardware: str) -> tuple[str, dict] | None:
+  """The first (pattern, overrides) whose glob pattern matches `hardware`, or None."""
+  import fnmatch
+
+  for pattern, overrides in rules:
+    if fnmatch.fnmatchcase(hardware, pattern):
+      return pattern, dict(overrides)
+  return None

@@ -8,7 +8,7 @@ from flax import nnx
 
 from common.errors import UserError, suggest
 
-FAMILIES = {"llama": "zoo.llama.model"}
+FAMILIES = {"llama": "zoo.llama.model", "gpt2": "zoo.gpt2.model", "bert": "zoo.bert.model"}
 
 
 def family_module(name: str):

@@ -14,6 +14,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from common import parallel
 from common.errors import UserError
 from common.linear import normal
 
@@ -161,7 +162,8 @@ class Learned(Position):
     )
 
   def embed(self, x_BTD, positions_BT):
-    return x_BTD + jnp.take(self.embedding[...], positions_BT, axis=0).astype(x_BTD.dtype)
+    table = parallel.gather(self.embedding[...], (None, "D"))
+    return x_BTD + jnp.take(table, positions_BT, axis=0).astype(x_BTD.dtype)
 
 
 def make(cfg, *, head_dim: int, dim: int, param_dtype=jnp.float32, rngs: nnx.Rngs) -> Position:

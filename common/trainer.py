@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from common import checkpoint, data, mesh, models, tokenizers
+from common import checkpoint, data, faults, mesh, models, parallel, tokenizers
 from common import config as config_lib
 from common.errors import UserError
 
@@ -81,21 +81,83 @@ def loss_sums(model, batch: dict) -> tuple[jax.Array, jax.Array]:
   in_seg_BT = segments[:, :-1]
   weights_BT = ((segments[:, 1:] == in_seg_BT) & (in_seg_BT != 0)).astype(jnp.float32)
   logits_BTV = model(inputs_BT, segment_ids_BT=in_seg_BT)
-  ce_BT = optax.softmax_cross_entropy_with_integer_labels(
-    logits_BTV.astype(jnp.float32), targets_BT
-  )
+  ce_BT = parallel.cross_entropy(logits_BTV, targets_BT)
   return jnp.sum(ce_BT * weights_BT), jnp.sum(weights_BT)
 
 
-def train_step(state: TrainState, batch: dict, *, graphdef, tx) -> tuple[TrainState, dict]:
-  def loss_fn(params):
-    total, count = loss_sums(nnx.merge(graphdef, params), batch)
-    return total / jnp.maximum(count, 1.0), count
+def sums_and_grads(params, batch: dict, *, graphdef, micro_batches: int = 1):
+  """Summed loss, number of targets, and the gradient of the summed loss. With micro_batches
+  > 1 the batch is cut into that many slices run one after another (gradient accumulation:
+  the activations of one slice are alive at a time); the sums are the same."""
 
-  (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  def total_fn(params, batch):
+    return loss_sums(nnx.merge(graphdef, params), batch)
+
+  grad_fn = jax.value_and_grad(total_fn, has_aux=True)
+  micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
+  # The first slice starts the sums (so they carry the same sharding types as the rest).
+  (total, count), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
+
+  def add(sums, one_batch):
+    (total, count), grads = grad_fn(params, one_batch)
+    return jax.tree.map(jnp.add, sums, (total, count, grads)), None
+
+  if micro_batches == 1:
+    return total, count, grads
+  return jax.lax.scan(add, (total, count, grads), jax.tree.map(lambda x: x[1:], micro))[0]
+
+
+def sharded_sums_and_grads(
+  params, batch: dict, *, graphdef, layout: parallel.Layout, micro_batches: int = 1
+):
+  """`sums_and_grads` under shard_map: each device runs its batch shard with its parameter
+  shards; the shared layers gather and reduce (see common/parallel.py)."""
+  specs = layout.param_specs(params)
+
+  def local(params, batch):
+    with parallel.active(layout):
+      total, count, grads = sums_and_grads(
+        params, batch, graphdef=graphdef, micro_batches=micro_batches
+      )
+    return jax.lax.psum(total, parallel.BATCH_AXES), jax.lax.psum(count, parallel.BATCH_AXES), grads
+
+  return jax.shard_map(
+    local,
+    mesh=layout.mesh,
+    in_specs=(specs, layout.batch_spec),
+    out_specs=(parallel.P(), parallel.P(), specs),
+    check_vma=True,
+  )(params, batch)
+
+
+def train_step(
+  state: TrainState,
+  batch: dict,
+  *,
+  graphdef,
+  tx,
+  layout: parallel.Layout | None = None,
+  micro_batches: int = 1,
+) -> tuple[TrainState, dict]:
+  if layout is None:
+    total, count, grads = sums_and_grads(
+      state.params, batch, graphdef=graphdef, micro_batches=micro_batches
+    )
+  else:
+    total, count, grads = sharded_sums_and_grads(
+      state.params, batch, graphdef=graphdef, layout=layout, micro_batches=micro_batches
+    )
+  count = jnp.maximum(count, 1.0)
+  loss, grads = total / count, jax.tree.map(lambda g: g / count, grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "targets": count}
+  grad_norm = optax.tree.norm(grads)
+  # A non-finite loss or gradient leaves params and optimizer state as they were (the step still
+  # counts); train.nonfinite says, outside the step, whether the run goes on (faults.NonFinite).
+  (params, opt_state), skipped = faults.keep_if_finite(
+    loss, grad_norm, (params, opt_state), (state.params, state.opt_state)
+  )
+  metrics = {"loss": loss, "grad_norm": grad_norm, "targets": count, "skipped": skipped}
   return TrainState(state.step + 1, params, opt_state, state.rng), metrics
 
 
@@ -117,10 +179,33 @@ def abstract_state(cfg, tx) -> TrainState:
   return jax.eval_shape(lambda: init_state(cfg, tx)[1])
 
 
+def placed_abstract_state(cfg, tx, layout: parallel.Layout | None):
+  """The abstract train state with each leaf's sharding, and those shardings (one device:
+  everything on the default device)."""
+  abstract = abstract_state(cfg, tx)
+  if layout is None:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, abstract)
+  else:
+    shardings = layout.shardings(layout.param_specs(abstract))
+  placed = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+  )
+  return placed, shardings
+
+
+def put_batch(batch: dict, layout: parallel.Layout | None) -> dict:
+  """This process's rows of the global batch, as global arrays split over data x fsdp."""
+  if layout is None:
+    return batch
+  sharding = parallel.NamedSharding(layout.mesh, layout.batch_spec)
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
 def restore_params(cfg, workdir: str) -> tuple[nnx.GraphDef, nnx.State, int]:
   """The model of `cfg` with the params of the latest checkpoint in `workdir`."""
-  tx = optimizer(cfg.optim, cfg.train.steps)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(cfg.model)))
+  abstract = nnx.eval_shape(lambda: models.build(cfg.model))
+  graphdef = nnx.graphdef(abstract)
   ckpts, step = checkpoint.open_latest(workdir)
   try:
     # A checkpoint of another model fails deep in orbax: say which keys differ instead.
@@ -131,20 +216,26 @@ def restore_params(cfg, workdir: str) -> tuple[nnx.GraphDef, nnx.State, int]:
         f"{workdir} holds a checkpoint of a different model ({'; '.join(changed)}): give the "
         "experiment (and --config overrides) that trained it."
       )
-    state = ckpts.restore(step, abstract_state(cfg, tx))
+    # Params and step only (whatever optimizer trained it, or none: `zoo convert`), from the
+    # newest undamaged step.
+    wanted = {"params": nnx.state(abstract, nnx.Param), "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    state = ckpts.restore_latest(wanted)
   finally:
     ckpts.close()
-  return graphdef, state.params, step
+  return graphdef, state["params"], int(state["step"])
 
 
 def check_workdir(cfg, workdir: str):
   """Writes DIR/config.json, or checks that the one there describes the same model and data."""
-  os.makedirs(workdir, exist_ok=True)
+  faults.check_writable(workdir, checkpoint.directory(workdir))  # now, not at the first save
   path = os.path.join(workdir, "config.json")
-  if os.path.exists(path):
+  # Only checkpoints can be mixed up: a config.json alone (of a run refused for bad data, say)
+  # is replaced. data.long_records checks the data without changing it.
+  if os.path.exists(path) and checkpoint.has_steps(workdir):
     with open(path) as f:
       old = config_lib.from_json(f.read())
     changed = config_lib.differences(old, cfg, within=("model.", "data."))
+    changed = [c for c in changed if not c.startswith("data.long_records:")]
     if changed:
       raise UserError(
         f"{workdir} holds a run of a different model or data ({'; '.join(changed)}). Resuming "
@@ -182,14 +273,16 @@ class MetricsLog:
       self.tb.close()
 
 
-def evaluate(params, eval_rows, *, graphdef, cfg) -> dict:
-  """Mean loss over the held-out rows (all of them unless train.eval_batches limits it)."""
+def evaluate(params, eval_rows, *, graphdef, cfg, layout: parallel.Layout | None = None) -> dict:
+  """Mean loss over the held-out rows (all of them unless train.eval_batches limits it).
+
+  Runs as plain jit over the global (sharded) arrays: XLA partitions it, no shard_map needed."""
   step = jax.jit(functools.partial(eval_step, graphdef=graphdef))
   total, count = 0.0, 0.0
   for batch in data.eval_batches(
     eval_rows, batch_size=cfg.train.batch_size, max_batches=cfg.train.eval_batches
   ):
-    s, n = step(params, batch)
+    s, n = step(params, put_batch(batch, layout))
     total, count = total + float(s), count + float(n)
   loss = total / max(count, 1.0)
   return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), "targets": int(count)}
@@ -209,12 +302,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
       "(or leave init_from empty to train from scratch)."
     )
   sizes = mesh.resolve(cfg.mesh, jax.device_count())
-  if jax.device_count() > 1:
-    raise UserError(
-      f"mesh {sizes} spans {jax.device_count()} devices, and this trainer runs on one device "
-      "so far (sharded training is the parallelism issue's work). Make one device visible, "
-      "e.g. CUDA_VISIBLE_DEVICES=0 or without --xla_force_host_platform_device_count."
-    )
+  parallel.check_fits(cfg.model, sizes, cfg.train.batch_size, cfg.train.micro_batches)
+  layout = parallel.make_layout(sizes) if jax.device_count() > 1 else None
   check_workdir(cfg, workdir)
   tokenizer = tokenizers.load(cfg.data.tokenizer)
   if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -231,17 +320,25 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   ckpts = checkpoint.Checkpoints(workdir, keep=cfg.train.keep_checkpoints)
   meta = {"family": cfg.model.family, "model": cfg.model.to_dict(), "data": cfg.data.to_dict()}
   latest = ckpts.latest_step()
-  if latest is not None:
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(cfg.model)))
-    state = ckpts.restore(latest, abstract_state(cfg, tx), data_iterator=data_iter)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(cfg.model)))
+  abstract, shardings = placed_abstract_state(cfg, tx, layout)
+  if latest is not None:  # the newest step that restores; damaged newer ones are set aside
+    state = ckpts.restore_latest(abstract, data_iterator=data_iter)
   else:
-    graphdef, state = init_state(cfg, tx)
+    state = jax.jit(lambda: init_state(cfg, tx)[1], out_shardings=shardings)()
     if cfg.init_from:
-      state = dataclasses.replace(state, params=load_init_params(cfg, state.params))
+      params = load_init_params(cfg, state.params)
+      state = dataclasses.replace(state, params=jax.device_put(params, shardings.params))
   start = int(state.step)
 
   # Step functions
-  step_fn = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx), donate_argnums=0)
+  step_fn = jax.jit(
+    functools.partial(
+      train_step, graphdef=graphdef, tx=tx, layout=layout, micro_batches=cfg.train.micro_batches
+    ),
+    donate_argnums=0,
+    out_shardings=(shardings, None),
+  )
   tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
   lr_at = schedule(cfg.optim, cfg.train.steps)
 
@@ -255,11 +352,15 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     dynamic_ncols=True,
   )
   last, t0, since = {}, time.perf_counter(), start
+  nonfinite = faults.NonFinite(cfg.train.get("nonfinite", "skip"), ckpts)
+  signals = faults.Signals().install()  # SIGTERM/SIGINT: finish the step, save, exit
   try:
     for step in range(start + 1, cfg.train.steps + 1):
-      state, metrics = step_fn(state, next(data_iter))
+      state, metrics = step_fn(state, put_batch(next(data_iter), layout))
+      nonfinite.observe(step, metrics)
       if step % cfg.train.log_every == 0 or step == cfg.train.steps:
         metrics = {k: float(v) for k, v in metrics.items()}
+        metrics["skipped"] = nonfinite.take()  # since the last line; "stop" raises here
         elapsed = time.perf_counter() - t0
         metrics["tokens_per_s"] = (step - since) * tokens_per_step / elapsed
         metrics["lr"] = float(lr_at(step - 1))
@@ -273,14 +374,20 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         and cfg.train.eval_every
         and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
       ):
-        ev = evaluate(state.params, eval_rows, graphdef=graphdef, cfg=cfg)
+        ev = evaluate(state.params, eval_rows, graphdef=graphdef, cfg=cfg, layout=layout)
         log.write(step, ev, split="eval")
         bar.write(f"step {step}: eval loss {ev['loss']:.4f}")
         last = {**last, "eval_loss": ev["loss"]}
         t0 = time.perf_counter()  # evaluation time is not training throughput
-      if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-        ckpts.save(step, state, data_iterator=data_iter, meta=meta)
+      stop = signals.received if step < cfg.train.steps else None  # read once per step
+      if stop or step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
+        nonfinite.check()  # under "stop", nothing after a non-finite step is saved
+        ckpts.save(step, state, data_iterator=data_iter, meta=meta, force=bool(stop))
+      if stop:
+        ckpts.wait()  # on disk before the process ends
+        raise signals.preempted(step, ckpts.path)
   finally:
+    signals.restore()
     bar.close()
     ckpts.wait()
     ckpts.close()
@@ -289,7 +396,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
 
 
 def load_init_params(cfg, params: nnx.State) -> nnx.State:
-  """Params from `init_from` (a zoo run's workdir) in place of the fresh ones; shapes must fit."""
+  """Params from `init_from` (a zoo run's workdir or a `zoo convert` output) in place of the
+  fresh ones; shapes must fit."""
   path = cfg.init_from
   if not os.path.exists(path):
     raise UserError(
@@ -298,12 +406,10 @@ def load_init_params(cfg, params: nnx.State) -> nnx.State:
     )
   ckpts, step = checkpoint.open_latest(path)
   try:
-    meta = ckpts.meta(step)
-    source = ml_collections.ConfigDict(meta["model"])
-    src_cfg = ml_collections.ConfigDict(cfg.to_dict())
-    src_cfg.model = source
-    tx = optimizer(cfg.optim, cfg.train.steps)
-    loaded = ckpts.restore(step, abstract_state(src_cfg, tx)).params
+    source = ml_collections.ConfigDict(ckpts.meta(step)["model"])
+    # Params only: the optimizer starts fresh, whatever trained the checkpoint (if anything did).
+    abstract = nnx.state(models.abstract(source), nnx.Param)
+    loaded = ckpts.restore(step, {"params": abstract})["params"]
   finally:
     ckpts.close()
   want = dict(nnx.to_flat_state(params))

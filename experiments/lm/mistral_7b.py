@@ -43,10 +43,21 @@ def get_config(arg=None):
   c.train = ml_collections.ConfigDict(dict(
       steps=100_000, batch_size=512, log_every=10, eval_every=1000, eval_batches=50,
       checkpoint_every=1000, keep_checkpoints=3,
+      nonfinite="skip",  # a NaN/inf loss or gradient: skip that update and count it, or "stop"
+      micro_batches=1,  # gradient accumulation: the batch run in this many slices
   ))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+  # Mesh rules: the first pattern matching the hardware (`zoo show` says which) sets the mesh
+  # and memory levers; not measured here (no accelerator), the intent of the recipe.
+  c.mesh_rules = [
+      ("cpu*", {"mesh.fsdp": -1}),
+      ("gpu-*h100*x8", {"mesh.fsdp": 8, "model.remat": "save_dots"}),
+      ("gpu-*h200*x8", {"mesh.fsdp": 8}),
+      ("tpu-v5p*", {"mesh.fsdp": -1, "model.remat": "save_dots"}),
+  ]
 
   if arg == "smoke":
+    c.mesh_rules = []  # one CPU: the mesh as written
     # Same recipe, tiny: bytes of Shakespeare instead of your corpus and tokenizer.
     c.data.update(kind="shakespeare", eval_plays="tempest", seq_len=32)
     c.data.tokenizer = tokenizers.config("bytes")

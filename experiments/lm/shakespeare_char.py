@@ -43,10 +43,18 @@ def get_config(arg=None):
   c.train = ml_collections.ConfigDict(dict(
       steps=900, batch_size=32, log_every=10, eval_every=450, eval_batches=0,
       checkpoint_every=300, keep_checkpoints=3,
+      nonfinite="skip",  # a NaN/inf loss or gradient: skip that update and count it, or "stop"
+      micro_batches=1,  # gradient accumulation: the batch run in this many slices
   ))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
+  # Mesh rules: the first pattern matching the hardware (`zoo show` says which) sets the mesh.
+  c.mesh_rules = [
+      ("cpux1", {}),
+      ("*x8", {"mesh.data": 8}),  # eight devices of any kind: data parallel
+  ]
 
   if arg == "smoke":
+    c.mesh_rules = []  # one CPU: the mesh as written
     c.data.seq_len = 32
     c.model = llama.config("tiny", vocab_size=256)
     c.train.update(steps=4, batch_size=4, log_every=1, eval_every=4, eval_batches=2,

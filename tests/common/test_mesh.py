@@ -37,3 +37,38 @@ def test_resolve(sizes, devices, want):
 def test_resolve_errors_name_the_problem(sizes, devices, words):
   with pytest.raises(UserError, match=words):
     mesh.resolve(cfg(*sizes), devices)
+
+
+def test_hardware_name_is_kind_and_count():
+  import jax
+
+  assert mesh.hardware_name() == f"cpux{jax.device_count()}"
+
+
+def test_first_matching_rule_wins():
+  rules = [("cpux1", {"a": 1}), ("cpu*", {"a": 2}), ("*", {"a": 3})]
+  assert mesh.pick_rule(rules, "cpux1") == ("cpux1", {"a": 1})
+  assert mesh.pick_rule(rules, "cpux8") == ("cpu*", {"a": 2})
+  assert mesh.pick_rule(rules, "gpu-nvidia-h100x8") == ("*", {"a": 3})
+  assert mesh.pick_rule(rules[:1], "tpu-v5px64") is None
+
+
+def test_experiment_mesh_rule_applies_before_command_line_overrides():
+  from common import experiments
+
+  h100 = "gpu-nvidia-h100-80gb-hbm3x8"
+  cfg = experiments.get_config("lm/llama3-8b", hardware=h100)
+  assert (cfg.mesh.fsdp, cfg.model.remat) == (8, "save_dots")
+  assert "gpu-*h100*x8" in cfg.mesh_rule
+  cfg = experiments.get_config("lm/llama3-8b", {"model.remat": "full"}, hardware=h100)
+  assert cfg.model.remat == "full"  # the user's override wins
+  cfg = experiments.get_config("lm/llama3-8b", hardware="tpu-v4x8")
+  assert "matches no mesh rule" in cfg.mesh_rule and cfg.mesh.fsdp == -1
+
+
+def test_zoo_show_says_which_rule_applies_and_why(capsys):
+  from common import cli
+
+  assert cli.main(["show", "lm/llama3-8b", "--mesh-rule", "tpu-v5p-lite-x64"]) == 0
+  out = capsys.readouterr().out
+  assert "# mesh rule: tpu-v5p-lite-x64 matches 'tpu-v5p*'" in out

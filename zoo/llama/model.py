@@ -9,7 +9,7 @@ import math
 import ml_collections
 from flax import nnx
 
-from common import attention, mlp, norms, position
+from common import attention, memory, mlp, norms, position
 from common.errors import UserError, suggest
 from common.linear import Embedding, Linear
 from common.models import dtypes
@@ -71,15 +71,17 @@ def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
         head_dim=head_dim,
         window=p.get("window", 0),
         qkv_bias=p.get("qkv_bias", False),
+        out_bias=p.get("out_bias", False),
         qk_norm=p.get("qk_norm", "none"),
       ),
       "position": position.config(
         "rope", theta=p["rope_theta"], scaling=position.rope_scaling(**scaling)
       ),
       "norm": norms.config("rms", eps=p["norm_eps"]),
-      "mlp": mlp.config("swiglu", hidden_dim=p["hidden_dim"]),
+      "mlp": mlp.config("swiglu", hidden_dim=p["hidden_dim"], use_bias=p.get("mlp_bias", False)),
       "tie_embeddings": p.get("tie_embeddings", False),
       "init_std": 0.02,
+      "remat": "none",  # or "full", "save_dots": recompute activations in the backward pass
       "dtype": "float32",
       "param_dtype": "float32",
     }
@@ -124,6 +126,7 @@ class Model(nnx.Module):
     )
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.norm = norms.make(cfg.norm, cfg.dim, **dt)
+    self.remat = cfg.remat
     self.lm_head = (
       None
       if cfg.tie_embeddings
@@ -135,16 +138,15 @@ class Model(nnx.Module):
     if positions_BT is None:
       positions_BT = position.default_positions(tokens_BT, segment_ids_BT, cache)
     x_BTD = self.position.embed(self.embed(tokens_BT), positions_BT)
-    new_cache = []
-    for block, layer_cache in zip(self.blocks, cache or [None] * len(self.blocks), strict=True):
-      x_BTD, layer_cache = block(
-        x_BTD,
-        positions_BT=positions_BT,
-        segment_ids_BT=segment_ids_BT,
-        position=self.position,
-        cache=layer_cache,
-      )
-      new_cache.append(layer_cache)
+    x_BTD, new_cache = memory.run_blocks(
+      self.blocks,
+      x_BTD,
+      cache=cache,
+      remat=self.remat,
+      positions_BT=positions_BT,
+      segment_ids_BT=segment_ids_BT,
+      position=self.position,
+    )
     x_BTD = self.norm(x_BTD)
     logits_BTV = self.embed.attend(x_BTD) if self.lm_head is None else self.lm_head(x_BTD)
     return logits_BTV if cache is None else (logits_BTV, new_cache)

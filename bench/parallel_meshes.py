@@ -1,0 +1,88 @@
+"""Step time and per-device memory of one experiment on each mesh, side by side in one run.
+
+    python bench/parallel_meshes.py [EXP] [--steps N]
+
+Runs on 8 fake CPU devices (it sets XLA_FLAGS itself). Prints, per mesh (data, fsdp, tensor):
+the median train-step time relative to the same step on 1 device, the bytes of params +
+optimizer state one device holds, and XLA's temp (activation) bytes per device. On fake CPU
+devices the times show the cost of the collectives, not a speed-up: all 8 "devices" share the
+same cores.
+"""
+
+import argparse
+import functools
+import os
+import time
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common import experiments, parallel, trainer  # noqa: E402
+
+MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2), (1, 1, 2)]
+
+
+def measure(cfg, sizes, steps):
+  tx = trainer.optimizer(cfg.optim, cfg.train.steps)
+  graphdef, state = trainer.init_state(cfg, tx)
+  n = int(np.prod(sizes))
+  layout = None
+  if n > 1:
+    layout = parallel.make_layout(
+      dict(zip(("data", "fsdp", "tensor"), sizes, strict=True)), jax.devices()[:n]
+    )
+  _, shardings = trainer.placed_abstract_state(cfg, tx, layout)
+  state = jax.device_put(state, shardings)
+  rng = np.random.default_rng(0)
+  B, T = cfg.train.batch_size, cfg.data.seq_len + 1
+  batch = {
+    "tokens": rng.integers(0, cfg.model.vocab_size, (B, T)).astype(np.int32),
+    "segment_ids": np.ones((B, T), np.int32),
+  }
+  batch = trainer.put_batch(batch, layout)
+  step = jax.jit(
+    functools.partial(trainer.train_step, graphdef=graphdef, tx=tx, layout=layout),
+    donate_argnums=0,
+    out_shardings=(shardings, None),
+  )
+  compiled = step.lower(state, batch).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  state, m = step(state, batch)
+  jax.block_until_ready(m)
+  times = []
+  for _ in range(steps):
+    t = time.perf_counter()
+    state, m = step(state, batch)
+    jax.block_until_ready(m)
+    times.append(time.perf_counter() - t)
+  state_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
+  return float(np.median(times)), state_bytes, temp
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("exp", nargs="?", default="lm/llama3-8b:smoke")
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--batch-size", type=int, default=16)
+  args = p.parse_args()
+  cfg = experiments.get_config(args.exp, {"train.batch_size": str(args.batch_size)})
+  if cfg.model.attention.num_kv_heads % 2:
+    cfg.model.attention.num_kv_heads = 2  # so tensor=2 fits (the smoke GQA ratio is 4:1)
+  print(f"{args.exp}, batch {args.batch_size} x {cfg.data.seq_len}, median of {args.steps} steps")
+  print(
+    f"{'mesh (d,f,t)':>14} {'step ms':>8} {'vs 1 dev':>8} {'state KB/dev':>13} {'temp KB/dev':>12}"
+  )
+  base = None
+  for sizes in MESHES:
+    t, state_bytes, temp = measure(cfg, sizes, args.steps)
+    base = base or t
+    print(
+      f"{str(sizes):>14} {t * 1e3:8.1f} {t / base:8.2f} {state_bytes / 1024:13.1f} "
+      f"{temp / 1024:12.1f}"
+    )
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,152 @@
+"""Fault tolerance for the trainer: stopping cleanly on SIGTERM/SIGINT, refusing non-finite
+updates, and finding an unwritable workdir before any work is done.
+
+Checkpoint integrity (unfinished saves, damaged files) lives in common/checkpoint.py.
+"""
+
+import os
+import signal
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+
+from common.errors import Preempted, UserError
+
+NONFINITE_POLICIES = ("skip", "stop")
+
+
+def warn(message: str):
+  """One line on stderr, like the CLI's errors (no logging set-up needed)."""
+  print(f"zoo: warning: {message}", file=sys.stderr, flush=True)
+
+
+# Preemption
+
+
+class Signals:
+  """While installed, SIGTERM and SIGINT set `received` instead of ending the process, so the
+  trainer can finish its step and save; a second signal ends it the usual way at once.
+
+  Installed only for the training loop (and only from the main thread, where Python allows
+  it); `restore` puts the previous handlers back.
+  """
+
+  HANDLED = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.received: int | None = None
+    self.previous: dict = {}
+
+  def install(self) -> "Signals":
+    if threading.current_thread() is threading.main_thread():
+      for signum in self.HANDLED:
+        self.previous[signum] = signal.signal(signum, self.handle)
+    return self
+
+  def restore(self):
+    for signum, handler in self.previous.items():
+      # None: a handler set from C, which Python cannot reinstate; the default is closest.
+      signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+    self.previous = {}
+
+  def handle(self, signum, _frame):
+    if self.received is not None:  # the second one: stop waiting for the checkpoint
+      self.restore()
+      signal.raise_signal(signum)
+      return
+    self.received = signum
+    print(
+      f"\nzoo: {signal.Signals(signum).name} received: finishing this step and saving a "
+      "checkpoint (send it again to stop at once, losing the steps since the last one).",
+      file=sys.stderr,
+      flush=True,
+    )
+
+  def preempted(self, step: int, directory: str) -> Preempted:
+    name = signal.Signals(self.received).name
+    return Preempted(
+      f"stopped by {name} after step {step}: its checkpoint is saved in "
+      f"{os.path.join(directory, str(step))}. Rerun the same command to resume from it.",
+      signum=self.received,
+    )
+
+
+# Divergence
+
+
+def keep_if_finite(loss, grad_norm, new, old):
+  """`new` where the loss and gradient norm are finite, else `old` (the update is skipped), and
+  whether it was skipped as 0/1 (int32). Traced inside the step: no host round trip."""
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+  return kept, jnp.logical_not(ok).astype(jnp.int32)
+
+
+class NonFinite:
+  """The steps whose update `keep_if_finite` refused, and what `train.nonfinite` does about them.
+
+  "skip": the run goes on, and `take` counts the refused steps for the log line (`skipped`).
+  "stop": before anything is logged or saved after such a step, a UserError names it and the last
+  good checkpoint. The per-step flags stay on the device until then: no host sync per step.
+  """
+
+  def __init__(self, policy: str, ckpts):
+    if policy not in NONFINITE_POLICIES:
+      raise UserError(
+        f"Unknown train.nonfinite {policy!r}: use 'skip' (skip the update of a batch whose loss "
+        "or gradient is not finite, and count it) or 'stop' (end the run there)."
+      )
+    self.policy, self.ckpts = policy, ckpts
+    self.pending: list[tuple[int, jax.Array]] = []  # (step, skipped flag) not yet looked at
+    self.skipped = 0  # looked at, not yet taken
+
+  def observe(self, step: int, metrics: dict):
+    self.pending.append((step, metrics["skipped"]))
+
+  def check(self):
+    """Looks at the pending flags (a host sync); under "stop", a UserError if one is set."""
+    flags = jax.device_get([flag for _, flag in self.pending])
+    bad = [step for (step, _), flag in zip(self.pending, flags, strict=True) if int(flag)]
+    self.pending = []
+    if bad and self.policy == "stop":
+      last = self.ckpts.latest_step()
+      where = (
+        f"the last good checkpoint is step {last} ({os.path.join(self.ckpts.path, str(last))})"
+        if last is not None
+        else "there is no checkpoint yet"
+      )
+      raise UserError(
+        f"Step {bad[0]} has a non-finite loss or gradient (train.nonfinite='stop'): its update "
+        f"was not applied and nothing after it was saved; {where}. Lower optim.lr or check the "
+        "data, or set --config.train.nonfinite=skip to skip such batches."
+      )
+    self.skipped += len(bad)
+
+  def take(self) -> int:
+    """The number of skipped steps since the last take (after `check`)."""
+    self.check()
+    count, self.skipped = self.skipped, 0
+    return count
+
+
+# Disk
+
+
+def check_writable(*paths: str):
+  """Creates each directory and writes a probe file in it, or a UserError naming it."""
+  for path in paths:
+    probe = os.path.join(path, f".zoo-write-probe-{os.getpid()}")
+    try:
+      os.makedirs(path, exist_ok=True)
+      with open(probe, "wb") as f:
+        f.write(b"ok")
+        f.flush()
+        os.fsync(f.fileno())
+      os.remove(probe)
+    except OSError as e:
+      raise UserError(
+        f"Cannot write to {path} ({type(e).__name__}: {e.strerror or e}). Give a --workdir on "
+        "a writable disk; nothing was trained."
+      ) from None

@@ -1,0 +1,182 @@
+"""Data, FSDP and tensor parallelism under `jax.shard_map`, as seen by the shared layers.
+
+Every parameter carries logical axis names (`axes=("D", "F")`, the legend in DESIGN.md). RULES
+map them to mesh axes: by default a model dim D is stored sharded over `fsdp`, and heads, MLP
+features and vocab (NH, KH, F, V) are split over `tensor`. Inside the sharded train step the
+shared layers call the three functions below, which are no-ops outside it, so a family's model
+never knows how it is sharded:
+
+- `gather(w, axes)`: all-gather the fsdp-sharded dims of a weight just before its layer uses it
+  (one layer at a time; the transpose in the backward pass reduce-scatters its gradient);
+- `reduce(y, in_axis)`: psum a row-parallel projection's partial output over `tensor`;
+- `vocab_offset()` / `psum_tensor`: vocab-parallel embedding lookup and cross-entropy.
+
+Gradients of replicated parameters are summed over the batch axes by shard_map's own
+autodiff (varying-axis typing), which is why the step runs with `check_vma=True`.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from common.errors import UserError
+from common.mesh import AXES
+
+# Logical axis -> mesh axis. 1-D parameters named D (norm scales, output biases) stay
+# replicated on purpose: they are a few KB and every device needs them whole.
+RULES = {"D": "fsdp", "F": "tensor", "NH": "tensor", "KH": "tensor", "V": "tensor"}
+BATCH_AXES = ("data", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """A mesh and the rules that place parameters and batches on it."""
+
+  mesh: jax.sharding.Mesh
+  rules: dict
+
+  @property
+  def sizes(self) -> dict[str, int]:
+    return dict(zip(self.mesh.axis_names, self.mesh.devices.shape, strict=True))
+
+  def axis_of(self, logical: str | None) -> str | None:
+    axis = self.rules.get(logical) if logical else None
+    return axis if axis and self.sizes[axis] > 1 else None
+
+  def param_spec(self, variable) -> P:
+    axes = getattr(variable, "axes", None) or (None,) * variable.ndim
+    if variable.ndim == 1 and self.rules.get(axes[0]) == "fsdp":
+      return P(None)
+    return P(*(self.axis_of(a) for a in axes))
+
+  def param_specs(self, params):
+    """The same tree as `params` (Variables kept, so it is a full tree, not a prefix) with a
+    PartitionSpec in place of each array."""
+
+    def spec(x):
+      return x.replace(self.param_spec(x)) if isinstance(x, nnx.Variable) else self.param_spec(x)
+
+    return jax.tree.map(spec, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+  def shardings(self, specs):
+    return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+
+  @property
+  def batch_spec(self) -> P:
+    return P(BATCH_AXES)
+
+
+def make_layout(sizes: dict[str, int], devices=None) -> Layout:
+  devices = np.asarray(devices if devices is not None else jax.devices())
+  shape = tuple(sizes[a] for a in AXES)
+  mesh = jax.sharding.Mesh(devices.reshape(shape), AXES)
+  return Layout(mesh, dict(RULES))
+
+
+def check_fits(model_cfg, sizes: dict[str, int], batch_size: int, micro_batches: int = 1):
+  """The errors a mesh can cause, named before anything compiles."""
+  t, batch_shards = sizes["tensor"], sizes["data"] * sizes["fsdp"] * micro_batches
+  att = model_cfg.attention
+  problems = []
+  if att.num_heads % t:
+    problems.append(f"model.attention.num_heads={att.num_heads} is not divisible by tensor={t}")
+  if att.num_kv_heads % t:
+    problems.append(
+      f"model.attention.num_kv_heads={att.num_kv_heads} is not divisible by tensor={t}"
+    )
+  if model_cfg.vocab_size % t:
+    problems.append(f"model.vocab_size={model_cfg.vocab_size} is not divisible by tensor={t}")
+  if batch_size % batch_shards:
+    problems.append(
+      f"train.batch_size={batch_size} is not divisible by data x fsdp x train.micro_batches "
+      f"= {batch_shards}"
+    )
+  if problems:
+    raise UserError(
+      f"The mesh {sizes} does not fit: "
+      + "; ".join(problems)
+      + ". Pick mesh sizes that divide these (or pad the vocab to a multiple of tensor)."
+    )
+
+
+# What the shared layers call. Outside a sharded step `_ACTIVE` is None and all are no-ops.
+
+_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("layout", default=None)
+
+
+@contextlib.contextmanager
+def active(layout: Layout | None):
+  token = _ACTIVE.set(layout)
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def gather(w: jax.Array, axes) -> jax.Array:
+  """The whole of each fsdp-sharded dim of weight `w` (tensor-split dims stay local)."""
+  layout = _ACTIVE.get()
+  if layout is None or w.ndim == 1:
+    return w
+  for dim, name in enumerate(axes):
+    if layout.axis_of(name) == "fsdp":
+      w = jax.lax.all_gather(w, "fsdp", axis=dim, tiled=True)
+  return w
+
+
+def reduce(y: jax.Array, in_axis: str | None) -> jax.Array:
+  """Sums a projection's partial outputs when its input dim is split over `tensor`."""
+  layout = _ACTIVE.get()
+  if layout is None or layout.axis_of(in_axis) != "tensor":
+    return y
+  return jax.lax.psum(y, "tensor")
+
+
+def tensor_split(name: str | None) -> bool:
+  layout = _ACTIVE.get()
+  return layout is not None and layout.axis_of(name) == "tensor"
+
+
+def tensor_index() -> jax.Array:
+  return jax.lax.axis_index("tensor")
+
+
+def psum_tensor(x: jax.Array) -> jax.Array:
+  return jax.lax.psum(x, "tensor")
+
+
+def pmax_tensor(x: jax.Array) -> jax.Array:
+  return jax.lax.pmax(x, "tensor")
+
+
+def local_heads(x_BN___: jax.Array, axis: int = 1) -> jax.Array:
+  """This device's slice of a per-head array computed for all heads (e.g. ALiBi's bias)."""
+  if not tensor_split("NH"):
+    return x_BN___
+  n_local = x_BN___.shape[axis] // _ACTIVE.get().sizes["tensor"]
+  return jax.lax.dynamic_slice_in_dim(x_BN___, tensor_index() * n_local, n_local, axis=axis)
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+  """Per-token cross-entropy [B, T]; with the vocab split over `tensor`, each device holds
+  logits for its slice of the vocab and the softmax is assembled with two small collectives,
+  never materialising the full [B, T, V] on one device."""
+  logits = logits_BTV.astype(jnp.float32)
+  if not tensor_split("V"):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return lse - jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+  v_local = logits.shape[-1]
+  local_targets = targets_BT - tensor_index() * v_local
+  here = (local_targets >= 0) & (local_targets < v_local)
+  m = jax.lax.stop_gradient(pmax_tensor(jnp.max(jax.lax.stop_gradient(logits), axis=-1)))
+  sumexp = psum_tensor(jnp.sum(jnp.exp(logits - m[..., None]), axis=-1))
+  picked = jnp.take_along_axis(logits, jnp.clip(local_targets, 0, v_local - 1)[..., None], -1)
+  target_logit = psum_tensor(jnp.where(here, picked[..., 0], 0.0))
+  return jnp.log(sumexp) + m - target_logit

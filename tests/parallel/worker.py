@@ -1,0 +1,83 @@
+"""Run by tests/parallel/test_parallel.py in a subprocess with 8 fake CPU devices: computes the
+loss and gradients of one batch on several meshes and on one device, and prints them as JSON."""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from common import experiments, parallel, trainer  # noqa: E402
+
+MESHES = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 4, 2), (1, 1, 2)]
+
+
+def main(exp: str):
+  cfg = experiments.get_config(exp, {"train.batch_size": "8"})
+  tx = trainer.optimizer(cfg.optim, cfg.train.steps)
+  graphdef, state = trainer.init_state(cfg, tx)
+  rng = np.random.default_rng(0)
+  B, T = cfg.train.batch_size, cfg.data.seq_len + 1
+  tokens = rng.integers(0, cfg.model.vocab_size, (B, T)).astype(np.int32)
+  # Two documents per row, so segment masking and positions are exercised too.
+  segments = np.where(np.arange(T) < T // 3, 1, 2).astype(np.int32)[None].repeat(B, 0)
+  batch = {"tokens": tokens, "segment_ids": segments}
+
+  def flat(grads):
+    return {"/".join(map(str, k)): np.asarray(v).tolist() for k, v in nnx.to_flat_state(grads)}
+
+  total, count, grads = jax.jit(lambda p, b: trainer.sums_and_grads(p, b, graphdef=graphdef))(
+    state.params, batch
+  )
+  out = {"single": {"total": float(total), "count": float(count), "grads": flat(grads)}}
+  for sizes in MESHES:
+    n = int(np.prod(sizes))
+    layout = parallel.make_layout(
+      dict(zip(("data", "fsdp", "tensor"), sizes, strict=True)), jax.devices()[:n]
+    )
+    _, shardings = trainer.placed_abstract_state(cfg, tx, layout)
+    params = jax.device_put(state.params, shardings.params)
+    placed = trainer.put_batch(batch, layout)
+    fn = jax.jit(
+      lambda p, b, layout=layout: trainer.sharded_sums_and_grads(
+        p, b, graphdef=graphdef, layout=layout
+      )
+    )
+    total, count, grads = fn(params, placed)
+    # Each parameter's placement, and how many bytes of it one device holds.
+    placement = {
+      "/".join(map(str, k)): [str(v.sharding.spec), v.addressable_shards[0].data.nbytes, v.nbytes]
+      for k, v in nnx.to_flat_state(params)
+    }
+    # Bytes one device holds of the whole train state (params + AdamW moments + counters).
+    placed_state = jax.device_put(state, shardings)
+    leaves = jax.tree.leaves(placed_state)
+    replicated = [x for x in leaves if x.ndim < 2]  # norm scales, counters, step, rng
+    out[str(sizes)] = {
+      "state_bytes_per_device": sum(x.addressable_shards[0].data.nbytes for x in leaves),
+      "state_bytes_total": sum(x.nbytes for x in leaves),
+      "replicated_bytes": sum(x.nbytes for x in replicated),
+      "total": float(total),
+      "count": float(count),
+      "grads": flat(grads),
+      "placement": placement,
+    }
+  # Gradient accumulation inside the sharded step: each device runs its rows in 2 slices.
+  layout = parallel.make_layout({"data": 2, "fsdp": 2, "tensor": 2})
+  _, shardings = trainer.placed_abstract_state(cfg, tx, layout)
+  total, count, grads = jax.jit(
+    lambda p, b: trainer.sharded_sums_and_grads(
+      p, b, graphdef=graphdef, layout=layout, micro_batches=2
+    )
+  )(jax.device_put(state.params, shardings.params), trainer.put_batch(batch, layout))
+  out["(2, 2, 2) micro_batches=2"] = {"total": float(total), "count": float(count)}
+  out["(2, 2, 2) micro_batches=2"]["grads"] = flat(grads)
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])
