@@ -213,6 +213,15 @@ def test_signals_defer_the_first_and_restore_the_previous_handlers():
   assert {s: signal.getsignal(s) for s in faults.Signals.HANDLED} == before
 
 
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+  """Python's own SIGINT handler, as in a terminal: a background job (nohup, some CI runners)
+  starts with SIGINT ignored, which these tests are not about."""
+  before = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, before)
+
+
 def test_a_second_signal_acts_at_once():
   before = signal.getsignal(signal.SIGINT)
   signals = faults.Signals().install()
