@@ -3,9 +3,15 @@
 Causal or bidirectional, optional sliding window, segment ids so packed documents never attend
 to each other, optional QK-norm, QKV bias and logit soft-cap. The position encoding is passed in
 by the model (see common/position.py), so attention never branches on which one it is.
+
+`impl` picks how the softmax(q k^T) v core runs: "xla" (`attend` below, the reference), "flash"
+(the Pallas kernel in kernels/flash_attention.py; Pallas interpret mode on CPU) or "cudnn"
+(`jax.nn.dot_product_attention(implementation="cudnn")`, GPU only). Where the chosen one does not
+apply, the layer runs "xla" and logs the reason once (see `choose_impl`).
 """
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +22,13 @@ from common import norms, parallel
 from common.errors import UserError
 from common.linear import Linear
 from common.position import Position
+from kernels import flash_attention
 
 MASKS = ("causal", "bidirectional")
-IMPLS = ("xla",)
+IMPLS = ("xla", "flash", "cudnn")
+
+logger = logging.getLogger(__name__)
+_logged: set[tuple[str, str]] = set()
 
 
 def config(
@@ -119,6 +129,56 @@ def attend(
   return jnp.einsum(spec_pv, probs, v_BSKH).reshape(B, T, N, H)
 
 
+def _log_once(impl: str, message: str, level: int = logging.WARNING):
+  if (impl, message) not in _logged:
+    _logged.add((impl, message))
+    logger.log(level, "attention impl=%r: %s", impl, message)
+
+
+def choose_impl(
+  impl: str,
+  *,
+  bias: bool,
+  cache: bool,
+  softcap: bool,
+  bidirectional_window: bool,
+  dtype,
+  backend: str | None = None,
+) -> str:
+  """The implementation that runs: `impl`, or "xla" where it does not apply (reason logged once
+  per process, not per call: this runs at trace time)."""
+  backend = backend or jax.default_backend()
+  reason = None
+  if impl == "flash":
+    if bias:
+      reason = "the flash kernel adds no logit bias (ALiBi)"
+    elif cache:
+      # A decoding step is a few query rows against the whole cache: a padded block of queries
+      # would be mostly waste, and the cache's fill mask is no causal/window/segment rule.
+      reason = "decoding with a KV cache"
+    elif backend == "tpu":
+      reason = "the flash kernel is compiled for GPU only (see kernels/flash_attention.py)"
+    elif backend == "cpu":
+      # Not a fallback: the same kernel, emulated by XLA loops; on CPU it is no slower than
+      # "xla" and holds no [T, S] array (bench/attention.py), and it keeps "flash" testable.
+      _log_once(impl, "runs in Pallas interpret mode on CPU", logging.INFO)
+  elif impl == "cudnn":
+    if backend != "gpu":
+      reason = f"cuDNN attention needs a GPU, this is {backend}"
+    elif jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+      reason = f"cuDNN attention takes bf16/fp16, not {jnp.dtype(dtype).name}"
+    elif softcap:
+      reason = "cuDNN attention has no logit soft-cap"
+    elif cache:
+      reason = "decoding with a KV cache"
+    elif bidirectional_window:
+      reason = "cuDNN attention has no bidirectional sliding window"
+  if reason is None:
+    return impl
+  _log_once(impl, f"falls back to 'xla': {reason}")
+  return "xla"
+
+
 class Attention(nnx.Module):
   def __init__(
     self,
@@ -143,6 +203,7 @@ class Attention(nnx.Module):
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
     self.causal, self.window, self.softcap = cfg.mask == "causal", cfg.window, cfg.softcap
+    self.impl = cfg.impl
     self.dtype = dtype
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.q = Linear(dim, N * H, use_bias=cfg.qkv_bias, axes=("D", "NH"), **kw)
@@ -181,6 +242,7 @@ class Attention(nnx.Module):
     q_BTNH = position.rotate(q_BTNH, positions_BT)
     k_BTKH = position.rotate(k_BTKH, positions_BT)
 
+    segments_given = segment_ids_BT is not None
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones((B, T), jnp.int32)
     if cache is None:
@@ -199,19 +261,52 @@ class Attention(nnx.Module):
       k_seg_BS = jnp.where(filled_S[None], segment_ids_BT[:, :1], 0)
       k_pos_BS = jnp.broadcast_to(k_idx_S, (B, S))
       cache = KVCache(k_BSKH, v_BSKH, cache.index + T)
+    k_BSKH, v_BSKH = k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype)
 
-    mask_BTS = make_mask(
-      q_idx_T, k_idx_S, segment_ids_BT, k_seg_BS, causal=self.causal, window=self.window
-    )
     bias = position.logit_bias(positions_BT, k_pos_BS, self.num_heads)
     if bias is not None:
       bias = parallel.local_heads(bias, axis=1)
-    out_BTNH = attend(
-      q_BTNH,
-      k_BSKH.astype(q_BTNH.dtype),
-      v_BSKH.astype(q_BTNH.dtype),
-      mask_BTS=mask_BTS,
-      bias_BNTS=bias,
-      softcap=self.softcap,
+    impl = choose_impl(
+      self.impl,
+      bias=bias is not None,
+      cache=cache is not None,
+      softcap=bool(self.softcap),
+      bidirectional_window=bool(self.window) and not self.causal,
+      dtype=q_BTNH.dtype,
     )
+    # Under tensor parallelism each branch sees only this device's heads, so the kernels run
+    # per shard with no collective of their own.
+    if impl == "flash":
+      seg = segment_ids_BT if segments_given else None
+      out_BTNH = flash_attention.flash_attention(
+        q_BTNH,
+        k_BSKH,
+        v_BSKH,
+        causal=self.causal,
+        window=self.window,
+        q_segment_ids_BT=seg,
+        kv_segment_ids_BS=seg,
+        softcap=self.softcap,
+      )
+    elif impl == "cudnn":
+      seg_mask = None
+      if segments_given:
+        seg_mask = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])[:, None]
+      out_BTNH = jax.nn.dot_product_attention(
+        q_BTNH,
+        k_BSKH,
+        v_BSKH,
+        bias=bias,
+        mask=seg_mask,
+        is_causal=self.causal,
+        local_window_size=(self.window - 1, 0) if self.window else None,
+        implementation="cudnn",
+      )
+    else:
+      mask_BTS = make_mask(
+        q_idx_T, k_idx_S, segment_ids_BT, k_seg_BS, causal=self.causal, window=self.window
+      )
+      out_BTNH = attend(
+        q_BTNH, k_BSKH, v_BSKH, mask_BTS=mask_BTS, bias_BNTS=bias, softcap=self.softcap
+      )
     return self.o(out_BTNH.reshape(B, T, -1)), cache

@@ -1,6 +1,8 @@
 """Attention against a plain numpy reference (explicit loops over heads), and its invariants:
-causality by gradients, GQA/MQA == MHA with repeated k/v, masks, soft-cap, QK-norm, KV cache."""
+causality by gradients, GQA/MQA == MHA with repeated k/v, masks, soft-cap, QK-norm, KV cache;
+impl="flash" == impl="xla", and the fallbacks to "xla"."""
 
+import logging
 import math
 
 import jax
@@ -280,7 +282,7 @@ def test_bad_configs_are_user_errors():
   with pytest.raises(UserError):
     layer(mask="prefix")
   with pytest.raises(UserError):
-    layer(impl="flash")
+    layer(impl="pallas")
 
 
 def test_bfloat16_compute_stays_close():
@@ -413,3 +415,89 @@ def test_kv_cache_equals_full_pass(kw, pos):
     outs.append(out)
     assert int(cache.index) == b
   np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations: "flash" (the Pallas kernel, interpret mode on CPU) equals "xla" on the layer's
+# output and gradients; where an impl does not apply the layer runs "xla" and says so once.
+
+
+@nnx.jit
+def _out_and_grads(attn, pos, x, positions, seg, w):
+  def loss(attn, x):
+    out, _ = attn(x, positions_BT=positions, segment_ids_BT=seg, position=pos)
+    return jnp.sum(out * w), out
+
+  (_, out), grads = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(attn, x)
+  return out, grads
+
+
+@pytest.mark.parametrize(
+  "kw",
+  [
+    dict(num_kv_heads=2, qk_norm="rms"),
+    pytest.param(dict(mask="bidirectional", window=3, softcap=2.0), marks=pytest.mark.slow),
+  ],
+  ids=["gqa-causal-packed", "bidirectional-window-softcap"],
+)
+def test_flash_layer_equals_xla(kw):
+  x = randn(50, (2, 12, 32))
+  seg = np.array([[1] * 5 + [2] * 7, [3] * 9 + [0] * 3])
+  positions = position.positions_from_segments(jnp.asarray(seg))
+  w = randn(51, (2, 12, 32))
+  args = (ROPE, jnp.asarray(x), positions, jnp.asarray(seg, jnp.int32), jnp.asarray(w))
+  out_x, grads_x = _out_and_grads(layer(**kw), *args)
+  out_f, grads_f = _out_and_grads(layer(impl="flash", **kw), *args)
+  np.testing.assert_allclose(out_f, out_x, atol=2e-5, rtol=1e-5)
+  for g_f, g_x in zip(jax.tree.leaves(grads_f), jax.tree.leaves(grads_x), strict=True):
+    np.testing.assert_allclose(g_f, g_x, atol=5e-5, rtol=1e-4)
+
+
+def test_flash_with_alibi_falls_back_to_xla_and_logs_once(caplog, monkeypatch):
+  monkeypatch.setattr(attention, "_logged", set())
+  caplog.set_level(logging.WARNING, logger=attention.__name__)
+  flash, xla = layer(impl="flash"), layer()
+  for T in (6, 7):  # two traces, one message
+    x = randn(52, (1, T, 32))
+    np.testing.assert_array_equal(
+      run(flash, x, pos=position.ALiBi())[0], run(xla, x, pos=position.ALiBi())[0]
+    )
+  messages = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
+  assert len(messages) == 1 and "ALiBi" in messages[0], messages
+
+
+@pytest.mark.parametrize(
+  "impl,kw,backend,want",
+  [
+    ("flash", dict(), "cpu", "flash"),  # interpret mode
+    ("flash", dict(bias=True), "gpu", "xla"),
+    ("flash", dict(cache=True), "gpu", "xla"),
+    ("flash", dict(), "tpu", "xla"),
+    ("flash", dict(softcap=True, bidirectional_window=True), "gpu", "flash"),
+    ("cudnn", dict(), "cpu", "xla"),
+    ("cudnn", dict(), "gpu", "cudnn"),
+    ("cudnn", dict(bias=True), "gpu", "cudnn"),
+    ("cudnn", dict(dtype=jnp.float32), "gpu", "xla"),
+    ("cudnn", dict(softcap=True), "gpu", "xla"),
+    ("cudnn", dict(cache=True), "gpu", "xla"),
+    ("cudnn", dict(bidirectional_window=True), "gpu", "xla"),
+    ("xla", dict(bias=True, cache=True), "gpu", "xla"),
+  ],
+)
+def test_choose_impl(impl, kw, backend, want):
+  kw = (
+    dict(bias=False, cache=False, softcap=False, bidirectional_window=False, dtype=jnp.bfloat16)
+    | kw
+  )
+  assert attention.choose_impl(impl, backend=backend, **kw) == want
+
+
+def test_cudnn_on_cpu_and_flash_when_decoding_run_xla():
+  x = randn(53, (2, 6, 32))
+  want, _ = run(layer(), x)
+  got, _ = run(layer(impl="cudnn"), x)
+  np.testing.assert_array_equal(got, want)
+  flash = layer(impl="flash")
+  cache = flash.init_cache(2, 8)
+  got, cache = run(flash, x, cache=cache)
+  np.testing.assert_allclose(got, want, atol=1e-5)
