@@ -101,12 +101,15 @@ def cmd_list(_args, _overrides):
 
 
 def cmd_show(args, overrides):
-  from common import experiments, models
+  from common import experiments, lora, models
 
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
   print(cfg)
   print(f"# mesh rule: {cfg.mesh_rule}")
   print(f"# parameters: {models.num_params(cfg.model):,} (computed abstractly, nothing allocated)")
+  if cfg.model.get("lora") is not None and cfg.model.lora.rank:
+    trained = models.num_params(cfg.model, lora.trainable(cfg.model))
+    print(f"# trained: {trained:,} (LoRA adapters and model.lora.train; the rest frozen)")
 
 
 def cmd_run(args, overrides):

@@ -82,10 +82,28 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]):
   return cfg
 
 
+# Keys added after configs were first saved, with the value that means what their absence
+# meant: a workdir or checkpoint written before them still matches the same model and data.
+ADDED_LATER = {
+  "model.lora.rank": 0,
+  "model.lora.alpha": 16.0,
+  "model.lora.targets": "attn.q,attn.v",
+  "model.lora.train": "",
+  "model.num_labels": 0,
+  "model.scan": False,
+  "data.train_plays": "",
+  "data.eval_fraction": 0.0,
+}
+
+
 def differences(old, new, *, within: tuple[str, ...] = ("",), limit: int = 6) -> list[str]:
   """'key: old -> new' for each leaf (under the prefixes `within`) that differs, both sides
-  compared as JSON would store them (so a tuple equals the list it is saved as)."""
+  compared as JSON would store them (so a tuple equals the list it is saved as); a key of
+  ADDED_LATER missing on one side counts as its neutral value."""
   a, b = (flatten(from_json(to_json(c))) for c in (old, new))
+  for side in (a, b):
+    if "model.family" in side or "data.kind" in side:  # a model or data config at all
+      side.update({k: v for k, v in ADDED_LATER.items() if k not in side})
   keys = sorted(
     k
     for k in set(a) | set(b)

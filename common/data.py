@@ -1,5 +1,7 @@
 """Data: documents -> tokens -> packed fixed-length rows with segment ids -> grain batches.
 
+(Or, for a classifier, `kind="shakespeare_genre"`: one labelled line a row, see `genre_lines`.)
+
 A row holds `seq_len + 1` tokens (inputs and the shifted targets); documents are concatenated and
 cut into rows, each document with its own segment id, so attention and the loss never cross
 from one document into the next. The training iterator is a grain DatasetIterator, whose state
@@ -10,6 +12,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 
 import grain
 import jax
@@ -17,7 +20,7 @@ import ml_collections
 import numpy as np
 
 from common import tokenizers
-from common.errors import UserError
+from common.errors import UserError, suggest
 
 # Documents
 
@@ -87,22 +90,117 @@ def read_files(files: list[str], *, text_field: str = "text") -> list[str]:
   return docs
 
 
+def _plays(value: str, key: str, known: list[str]) -> list[str]:
+  chosen = [p.strip() for p in value.split(",") if p.strip()]
+  unknown = sorted(set(chosen) - set(known))
+  if unknown:
+    hint = suggest(unknown[0], known)
+    raise UserError(f"Unknown plays in data.{key}: {unknown}.{hint} Known: {known}.")
+  return chosen
+
+
+def _tail_split(texts: list[str], fraction: float, split: str) -> list[str]:
+  """The first 1 - fraction of each text (train) or the rest (eval), cut at a line break."""
+  if not 0 < fraction < 1:
+    raise UserError(f"data.eval_fraction={fraction} must be between 0 and 1 (0: off).")
+  out = []
+  for text in texts:
+    cut = text.rfind("\n", 0, int(len(text) * (1 - fraction))) + 1
+    out.append(text[:cut] if split == "train" else text[cut:])
+  return out
+
+
 def documents(cfg, split: str) -> list[str]:
   """The documents of `split` ("train" or "eval") for a `data` config."""
   if cfg.kind == "shakespeare":
     plays = shakespeare_plays()
-    held_out = [p.strip() for p in cfg.eval_plays.split(",") if p.strip()]
-    unknown = set(held_out) - set(plays)
-    if unknown:
-      raise UserError(f"Unknown plays in data.eval_plays: {sorted(unknown)}. Known: {plays}.")
-    chosen = held_out if split == "eval" else [p for p in plays if p not in held_out]
-    return read_shakespeare(chosen)
+    held_out = _plays(cfg.eval_plays, "eval_plays", plays)
+    train = _plays(cfg.get("train_plays", ""), "train_plays", plays)
+    train = train or [p for p in plays if p not in held_out]
+    if cfg.get("eval_fraction", 0.0):
+      # Held out by position instead of by play: the end of each training play.
+      if held_out:
+        raise UserError(
+          "data.eval_fraction holds out the end of each training play; data.eval_plays holds "
+          "out whole plays: set only one of them."
+        )
+      return _tail_split(read_shakespeare(train), cfg.eval_fraction, split)
+    return read_shakespeare(held_out if split == "eval" else train)
   if cfg.kind == "files":
     pattern = cfg.train_files if split == "train" else cfg.eval_files
     if split == "eval" and not pattern:
       return []
     return read_files(expand_files(pattern, f"data.{split}_files"), text_field=cfg.text_field)
-  raise UserError(f"Unknown data kind {cfg.kind!r}: use 'shakespeare' or 'files'.")
+  raise UserError(f"Unknown data kind {cfg.kind!r}: use one of {KINDS}.")
+
+
+# Labelled lines: the genre of a line's play
+
+# The three groups of the First Folio (1623); Pericles (not in it) and the poems are left out.
+GENRES = ("comedy", "tragedy", "history")
+FOLIO = {
+  "comedy": "tempest two_gentlemen_of_verona merry_wives_of_windsor measure_for_measure "
+  "comedy_of_errors much_ado_about_nothing loves_labours_lost midsummer_nights_dream "
+  "merchant_of_venice as_you_like_it taming_of_the_shrew alls_well_that_ends_well twelfth_night "
+  "winters_tale",
+  "tragedy": "troilus_and_cressida coriolanus tragedy_of_titus_andronicus romeo_and_juliet "
+  "timon_of_athens julius_caesar macbeth hamlet lear othello antony_and_cleopatra cymbeline",
+  "history": "john richard_ii henry_iv_part_1 henry_iv_part_2 henry_v henry_vi_part_1 "
+  "henry_vi_part_2 henry_vi_part_3 richard_iii henry_viii",
+}
+GENRE_OF = {play: genre for genre, plays in FOLIO.items() for play in plays.split()}
+
+
+def play_lines(text: str, min_words: int = 5) -> list[str]:
+  """The spoken lines of a play: from the first ACT heading on, without headings, speaker
+  names, stage directions in brackets and lines of fewer than `min_words` words."""
+  start = re.search(r"^ACT (I|1)\b", text, re.MULTILINE | re.IGNORECASE)
+  lines = [line.strip() for line in text[start.start() if start else 0 :].splitlines()]
+  return [
+    line
+    for line in lines
+    if len(line.split()) >= min_words
+    and not line.startswith("[")
+    and not line.isupper()
+    and not re.match(r"(ACT|SCENE)\b", line, re.IGNORECASE)
+  ]
+
+
+def genre_lines(cfg, split: str, seed: int = 0) -> tuple[list[str], np.ndarray]:
+  """Lines and their genre labels (indices into GENRES), the same number of each genre (the
+  larger genres subsampled with `seed`) in shuffled order, from the held-out plays (eval) or
+  all others (train)."""
+  held_out = _plays(cfg.eval_plays, "eval_plays", list(GENRE_OF))
+  plays = held_out if split == "eval" else [p for p in GENRE_OF if p not in held_out]
+  by_genre = {g: [] for g in GENRES}
+  for play, text in zip(plays, read_shakespeare(plays), strict=True):
+    by_genre[GENRE_OF[play]] += play_lines(text)
+  missing = [g for g, lines in by_genre.items() if not lines]
+  if missing:
+    raise UserError(
+      f"The {split} plays have no {' or '.join(missing)}: data.eval_plays must name plays of "
+      f"every genre ({', '.join(GENRES)}) and leave some of each for training."
+    )
+  n = min(len(lines) for lines in by_genre.values())
+  rng = np.random.default_rng(seed)
+  lines, labels = [], []
+  for label, genre in enumerate(GENRES):
+    pick = np.sort(rng.choice(len(by_genre[genre]), n, replace=False))
+    lines += [by_genre[genre][i] for i in pick]
+    labels += [label] * n
+  order = rng.permutation(len(lines))  # genres interleaved: any prefix of the rows is balanced
+  return [lines[i] for i in order], np.asarray(labels, np.int32)[order]
+
+
+def labelled_rows(lines: list[str], labels: np.ndarray, tokenizer, seq_len: int) -> dict:
+  """{"tokens", "segment_ids" (1 = token, 0 = padding), "labels"}: one line a row, cut to
+  seq_len tokens."""
+  tokens = np.zeros((len(lines), seq_len), np.int32)
+  segments = np.zeros((len(lines), seq_len), np.int32)
+  for i, line in enumerate(lines):
+    ids = tokenizer.encode(line)[:seq_len]
+    tokens[i, : len(ids)], segments[i, : len(ids)] = ids, 1
+  return {"tokens": tokens, "segment_ids": segments, "labels": labels}
 
 
 # Packing
@@ -148,11 +246,17 @@ class Rows:
 # Datasets
 
 
+KINDS = ("shakespeare", "files", "shakespeare_genre")
+
+
 def config(**kw) -> ml_collections.ConfigDict:
-  """A data sub-config. kind: "shakespeare" (held out by play) or "files" (text or .jsonl)."""
+  """A data sub-config. kind: "shakespeare" (held out by play, or by the end of each play with
+  eval_fraction), "files" (text or .jsonl), "shakespeare_genre" (lines labelled by genre)."""
   cfg = {
     "kind": "shakespeare",
     "eval_plays": "",
+    "train_plays": "",  # "": every play not held out
+    "eval_fraction": 0.0,
     "train_files": "",
     "eval_files": "",
     "text_field": "text",
@@ -172,6 +276,9 @@ def config(**kw) -> ml_collections.ConfigDict:
 def load_split(cfg, split: str, tokenizer=None) -> Rows | None:
   """Tokenized, packed rows of a split; None when the config has no such split."""
   tokenizer = tokenizer or tokenizers.load(cfg.tokenizer)
+  if cfg.kind == "shakespeare_genre":
+    lines, labels = genre_lines(cfg, split)
+    return Rows(labelled_rows(lines, labels, tokenizer, cfg.seq_len), f"{cfg.kind}:{split}")
   docs = documents(cfg, split)
   if not docs:
     return None
@@ -250,5 +357,5 @@ def eval_batches(rows: Rows, *, batch_size: int, max_batches: int = 0):
     batch = {k: v[start : start + batch_size] for k, v in rows.packed.items()}
     short = batch_size - len(batch["tokens"])
     if short:
-      batch = {k: np.pad(v, ((0, short), (0, 0))) for k, v in batch.items()}
+      batch = {k: np.pad(v, [(0, short)] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
     yield {k: v[share] for k, v in batch.items()}

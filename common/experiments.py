@@ -22,6 +22,7 @@ COMMON_KEYS = (
   "mesh.fsdp",
   "mesh.tensor",
   "init_from",
+  "init_reinit",
 )
 
 

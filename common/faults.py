@@ -4,6 +4,7 @@ updates, and finding an unwritable workdir before any work is done.
 Checkpoint integrity (unfinished saves, damaged files) lives in common/checkpoint.py.
 """
 
+import functools
 import os
 import signal
 import sys
@@ -11,6 +12,9 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from common.errors import Preempted, UserError
 
@@ -30,13 +34,15 @@ class Signals:
   trainer can finish its step and save; a second signal ends it the usual way at once.
 
   Installed only for the training loop (and only from the main thread, where Python allows
-  it); `restore` puts the previous handlers back.
+  it); `restore` puts the previous handlers back. The loop asks `stop_after` once per step.
   """
 
   HANDLED = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self):
-    self.received: int | None = None
+    self.received: int | None = None  # by this process
+    self.agreed: int | None = None  # by any process, as all of them know at the same step
+    self.pending: jax.Array | None = None  # several processes: the last step's max, unread
     self.previous: dict = {}
 
   def install(self) -> "Signals":
@@ -64,13 +70,44 @@ class Signals:
       flush=True,
     )
 
+  def stop_after(self) -> int | None:
+    """The signal that stops the run after the current step, or None: the same answer on every
+    process at the same step, since the checkpoint is written by all of them together.
+
+    One process: the signal it received. Several: a preemption notice may reach one host only,
+    so each step every process adds its flag to a one-element max over all devices, dispatched
+    without waiting, and reads the previous step's, which finished with the previous step: the
+    loop never waits on it, and the run stops one step after the signal arrived.
+    """
+    if jax.process_count() == 1:
+      self.agreed = self.received
+      return self.agreed
+    previous, self.pending = self.pending, _max_over_processes(self.received or 0)
+    self.agreed = (int(previous) if previous is not None else 0) or None
+    return self.agreed
+
   def preempted(self, step: int, directory: str) -> Preempted:
-    name = signal.Signals(self.received).name
+    signum = self.agreed or self.received
+    name = signal.Signals(signum).name
+    elsewhere = "" if self.received else " (received by another process)"
     return Preempted(
-      f"stopped by {name} after step {step}: its checkpoint is saved in "
+      f"stopped by {name}{elsewhere} after step {step}: its checkpoint is saved in "
       f"{os.path.join(directory, str(step))}. Rerun the same command to resume from it.",
-      signum=self.received,
+      signum=signum,
     )
+
+
+def _max_over_processes(flag: int) -> jax.Array:
+  """The largest of every process's `flag`, replicated, as an array not yet waited for."""
+  sharding, reduce = _flag_reduction()
+  local = np.full((jax.local_device_count(),), flag, np.int32)
+  return reduce(jax.make_array_from_process_local_data(sharding, local))
+
+
+@functools.cache
+def _flag_reduction():
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("all",))
+  return NamedSharding(mesh, P("all")), jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
 
 
 # Divergence

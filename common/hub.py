@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from common import checkpoint, models
+from common import checkpoint, lora, models
 from common import config as config_lib
 from common import tokenizers as tokenizers_lib
 from common.errors import UserError
@@ -96,6 +96,23 @@ def linear(hf: str, zoo: str, *, bias: bool) -> list[Rule]:
   )
 
 
+def plain_transformer_activation(cfg, activations: dict, name: str) -> str:
+  """HF's activation name for a GPT-2 or BERT model (learned positions, LayerNorm, plain
+  multi-head attention, a plain MLP): a UserError for a config HF's class cannot express."""
+  act = {ours: theirs for theirs, ours in reversed(activations.items())}.get(cfg.mlp.kind)
+  att = cfg.attention
+  if (
+    act is None
+    or cfg.position.kind != "learned"
+    or cfg.norm.kind != "layer"
+    or att.num_kv_heads != att.num_heads
+    or att.window
+    or att.qk_norm != "none"
+  ):
+    raise UserError(f"This model has settings HF's {name} does not have: export it as its family.")
+  return act
+
+
 def params_module(family: str):
   """zoo/<family>/params.py, or a UserError if the family has no HF key map."""
   models.family_module(family)  # an unknown family fails here, with suggestions
@@ -144,6 +161,27 @@ def _checked_rules(cfg, mod) -> tuple[list[Rule], dict[str, nnx.Param]]:
 
 
 # Hugging Face files
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt"]  # weights, configs, tokenizers
+
+
+def fetch(src: str) -> str:
+  """A local directory for `src`: itself, or for a hub id (`Qwen/Qwen3-0.6B`) that is not a
+  local path, the files the zoo reads, downloaded into the Hugging Face cache."""
+  if os.path.exists(src) or not HUB_ID.match(src):
+    return src
+  try:
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(src, allow_patterns=HUB_FILES)
+  except Exception as e:  # no network, no such repo, a gated model...
+    raise UserError(
+      f"{src!r} is not a local directory, and fetching it from the Hugging Face hub failed "
+      f"({type(e).__name__}: {str(e)[:200]}). Give a local directory (`hf download {src} "
+      "--local-dir DIR` on a machine with network), or check the id."
+    ) from None
 
 
 def read_hf_config(src: str) -> dict:
@@ -280,7 +318,8 @@ def is_zoo_checkpoint(path: str) -> bool:
 
 
 def read_zoo(path: str) -> tuple[ml_collections.ConfigDict, nnx.State, dict]:
-  """The model config, params and `meta` of the latest checkpoint of a zoo run or conversion."""
+  """The model config, params and `meta` of the latest checkpoint of a zoo run or conversion
+  (a LoRA run's adapters merged into the base weights)."""
   ckpts, step = checkpoint.open_latest(path)
   try:
     meta = ckpts.meta(step)
@@ -289,12 +328,24 @@ def read_zoo(path: str) -> tuple[ml_collections.ConfigDict, nnx.State, dict]:
     params = ckpts.restore_latest({"params": abstract})["params"]  # the newest undamaged step
   finally:
     ckpts.close()
+  if cfg.get("lora") is not None and cfg.lora.rank:
+    cfg, params = merge_lora(cfg, params)
   return cfg, params, meta
+
+
+def merge_lora(cfg, params: nnx.State) -> tuple[ml_collections.ConfigDict, nnx.State]:
+  """The config without adapters and the params with each adapter folded into its kernel."""
+  model = nnx.merge(nnx.graphdef(models.abstract(cfg)), jax.tree.map(jnp.asarray, params))
+  lora.merge(model)
+  cfg = ml_collections.ConfigDict(cfg.to_dict())
+  cfg.lora.rank = 0
+  return cfg, nnx.state(model, nnx.Param)
 
 
 def read_hf(src: str, *, param_dtype: str = "float32"):
   """The model config and params of an HF directory, and what was read: its config.json and
   the tensors dropped (IGNORED)."""
+  src = fetch(src)
   hf = read_hf_config(src)
   mod = params_module(family_of(hf["model_type"]))
   tensors = SafeTensors(src)
@@ -307,6 +358,7 @@ def read_hf(src: str, *, param_dtype: str = "float32"):
 def read(path: str) -> tuple[ml_collections.ConfigDict, nnx.State]:
   """The model config and params at `path`: a zoo checkpoint (a `zoo run` workdir or the output
   of `zoo convert`) or a Hugging Face directory."""
+  path = fetch(path)
   if not os.path.exists(path):
     raise UserError(f"{path!r} does not exist: give a zoo checkpoint or a Hugging Face directory.")
   if is_zoo_checkpoint(path):
@@ -369,6 +421,7 @@ def convert_hf(src: str, out: str, *, param_dtype: str = "float32") -> dict:
   _check_out(out)
   if param_dtype not in ("float32", "bfloat16", "float16"):
     raise UserError(f"--param-dtype {param_dtype!r}: use float32, bfloat16 or float16.")
+  src = fetch(src)
   cfg, params, info = read_hf(src, param_dtype=param_dtype)
   out = os.path.abspath(out)
   files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]

@@ -41,11 +41,15 @@ class Linear(nnx.Module):
     self.bias = (
       nnx.Param(jnp.zeros((out_features,), param_dtype), axes=axes[1:]) if use_bias else None
     )
+    self.lora = nnx.data(None)  # a low-rank adapter, added by common.lora.apply if configured
 
   def __call__(self, x: jax.Array) -> jax.Array:
     *lead, d = x.shape
     kernel = parallel.gather(self.kernel[...], self.axes).astype(self.dtype)
-    y = parallel.reduce(jnp.dot(x.reshape(-1, d).astype(self.dtype), kernel), self.axes[0])
+    x = x.reshape(-1, d).astype(self.dtype)
+    y = parallel.reduce(jnp.dot(x, kernel), self.axes[0])
+    if self.lora is not None:
+      y = y + self.lora(x)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)  # after the reduce: added once, not per shard
     return y.reshape(*lead, kernel.shape[1])

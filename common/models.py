@@ -18,8 +18,14 @@ def family_module(name: str):
 
 
 def build(cfg, *, seed: int = 0) -> nnx.Module:
-  """The NNX model of a `model` config, with freshly initialised weights."""
-  return family_module(cfg.family).Model(cfg, rngs=nnx.Rngs(seed))
+  """The NNX model of a `model` config, with freshly initialised weights (and LoRA adapters
+  where `model.lora` asks for them)."""
+  model = family_module(cfg.family).Model(cfg, rngs=nnx.Rngs(seed))
+  if cfg.get("lora") is not None:
+    from common import lora
+
+    lora.apply(model, cfg.lora, seed=seed)
+  return model
 
 
 def abstract(cfg) -> nnx.Module:
@@ -27,8 +33,9 @@ def abstract(cfg) -> nnx.Module:
   return nnx.eval_shape(lambda: build(cfg))
 
 
-def num_params(cfg) -> int:
-  state = nnx.state(abstract(cfg), nnx.Param)
+def num_params(cfg, which=nnx.Param) -> int:
+  """The number of parameters (of those the nnx filter `which` selects)."""
+  state = nnx.state(abstract(cfg), which)
   return sum(int(x.size) for x in jax.tree.leaves(state))
 
 

@@ -6,8 +6,10 @@ features and vocab (NH, KH, F, V) are split over `tensor`. Inside the sharded tr
 shared layers call the three functions below, which are no-ops outside it, so a family's model
 never knows how it is sharded:
 
-- `gather(w, axes)`: all-gather the fsdp-sharded dims of a weight just before its layer uses it
-  (one layer at a time; the transpose in the backward pass reduce-scatters its gradient);
+- `gather(w, axes)`: all-gather the fsdp-sharded dims of a weight inside the layer that uses it
+  (the transpose in the backward pass reduce-scatters its gradient). One layer at a time only
+  with `model.scan` and a `model.remat` policy: unscanned, XLA:CPU schedules every gather at the
+  start of the step and keeps the weights for the backward pass (bench/fsdp_gathers.py);
 - `reduce(y, in_axis)`: psum a row-parallel projection's partial output over `tensor`;
 - `vocab_offset()` / `psum_tensor`: vocab-parallel embedding lookup and cross-entropy.
 

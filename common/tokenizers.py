@@ -7,6 +7,7 @@ import os
 import ml_collections
 import numpy as np
 
+from common import paths
 from common.errors import UserError
 
 KINDS = ("bytes", "hf", "gpt2", "sentencepiece")
@@ -84,7 +85,7 @@ def _gpt2_files(path: str) -> tuple[str, str]:
 
 def load(cfg) -> Tokenizer:
   """The tokenizer a `data.tokenizer` config names; a file that does not load is a UserError."""
-  kind, path = cfg.kind, cfg.path
+  kind, path = cfg.kind, paths.resolve(cfg.path)
   if kind == "bytes":
     return ByteTokenizer()
   if kind not in KINDS:

@@ -18,8 +18,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from common import checkpoint, data, faults, mesh, models, parallel, tokenizers
+from common import checkpoint, data, faults, lora, memory, mesh, models, parallel, paths, tokenizers
 from common import config as config_lib
+from common import loss as losses
 from common.errors import UserError
 
 # State and step functions
@@ -80,18 +81,42 @@ def loss_sums(model, batch: dict) -> tuple[jax.Array, jax.Array]:
   inputs_BT, targets_BT = tokens[:, :-1], tokens[:, 1:]
   in_seg_BT = segments[:, :-1]
   weights_BT = ((segments[:, 1:] == in_seg_BT) & (in_seg_BT != 0)).astype(jnp.float32)
+  if losses.chunk_size():  # train.loss_chunk: the [B, T, V] logits never held whole
+    total = losses.decoder_sums(
+      model, inputs_BT, in_seg_BT, targets_BT, weights_BT, chunk=losses.chunk_size()
+    )
+    return total, jnp.sum(weights_BT)
   logits_BTV = model(inputs_BT, segment_ids_BT=in_seg_BT)
   ce_BT = parallel.cross_entropy(logits_BTV, targets_BT)
   return jnp.sum(ce_BT * weights_BT), jnp.sum(weights_BT)
 
 
-def sums_and_grads(params, batch: dict, *, graphdef, micro_batches: int = 1):
-  """Summed loss, number of targets, and the gradient of the summed loss. With micro_batches
+def classify_sums(model, batch: dict) -> tuple[jax.Array, jax.Array]:
+  """Summed cross-entropy of a classifier over its rows' `labels`, and the number of rows (a
+  row of padding only, segment ids all 0, counts for nothing)."""
+  logits_BC = model.classify(batch["tokens"], attention_mask=batch["segment_ids"])
+  weights_B = (batch["segment_ids"] != 0).any(axis=1).astype(jnp.float32)
+  ce_B = optax.softmax_cross_entropy_with_integer_labels(
+    logits_BC.astype(jnp.float32), batch["labels"]
+  )
+  return jnp.sum(ce_B * weights_B), jnp.sum(weights_B)
+
+
+def task_sums(model, batch: dict) -> tuple[jax.Array, jax.Array]:
+  """The loss sums of what the batch holds: labelled rows train a classifier, token rows a
+  language model."""
+  return (classify_sums if "labels" in batch else loss_sums)(model, batch)
+
+
+def sums_and_grads(params, batch: dict, *, graphdef, micro_batches: int = 1, frozen=None):
+  """Summed loss, number of targets, and the gradient of the summed loss with respect to
+  `params` (`frozen`: parameters the model also uses, not differentiated). With micro_batches
   > 1 the batch is cut into that many slices run one after another (gradient accumulation:
   the activations of one slice are alive at a time); the sums are the same."""
+  frozen = () if frozen is None else (frozen,)
 
   def total_fn(params, batch):
-    return loss_sums(nnx.merge(graphdef, params), batch)
+    return task_sums(nnx.merge(graphdef, params, *frozen), batch)
 
   grad_fn = jax.value_and_grad(total_fn, has_aux=True)
   micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
@@ -108,26 +133,27 @@ def sums_and_grads(params, batch: dict, *, graphdef, micro_batches: int = 1):
 
 
 def sharded_sums_and_grads(
-  params, batch: dict, *, graphdef, layout: parallel.Layout, micro_batches: int = 1
+  params, batch: dict, *, graphdef, layout: parallel.Layout, micro_batches: int = 1, frozen=None
 ):
   """`sums_and_grads` under shard_map: each device runs its batch shard with its parameter
   shards; the shared layers gather and reduce (see common/parallel.py)."""
   specs = layout.param_specs(params)
+  frozen = nnx.State({}) if frozen is None else frozen
 
-  def local(params, batch):
+  def local(params, frozen, batch):
     with parallel.active(layout):
       total, count, grads = sums_and_grads(
-        params, batch, graphdef=graphdef, micro_batches=micro_batches
+        params, batch, graphdef=graphdef, micro_batches=micro_batches, frozen=frozen
       )
     return jax.lax.psum(total, parallel.BATCH_AXES), jax.lax.psum(count, parallel.BATCH_AXES), grads
 
   return jax.shard_map(
     local,
     mesh=layout.mesh,
-    in_specs=(specs, layout.batch_spec),
+    in_specs=(specs, layout.param_specs(frozen), layout.batch_spec),
     out_specs=(parallel.P(), parallel.P(), specs),
     check_vma=True,
-  )(params, batch)
+  )(params, frozen, batch)
 
 
 def train_step(
@@ -138,19 +164,21 @@ def train_step(
   tx,
   layout: parallel.Layout | None = None,
   micro_batches: int = 1,
+  trainable=nnx.Param,
+  loss_chunk: int = 0,
 ) -> tuple[TrainState, dict]:
-  if layout is None:
-    total, count, grads = sums_and_grads(
-      state.params, batch, graphdef=graphdef, micro_batches=micro_batches
-    )
-  else:
-    total, count, grads = sharded_sums_and_grads(
-      state.params, batch, graphdef=graphdef, layout=layout, micro_batches=micro_batches
-    )
+  # Only the trained part is differentiated and updated (all of it, unless LoRA freezes some).
+  trained, frozen = nnx.split_state(state.params, trainable, ...)
+  kw = dict(graphdef=graphdef, micro_batches=micro_batches, frozen=frozen)
+  with losses.chunked(loss_chunk):  # train.loss_chunk, read by loss_sums
+    if layout is None:
+      total, count, grads = sums_and_grads(trained, batch, **kw)
+    else:
+      total, count, grads = sharded_sums_and_grads(trained, batch, layout=layout, **kw)
   count = jnp.maximum(count, 1.0)
   loss, grads = total / count, jax.tree.map(lambda g: g / count, grads)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  updates, opt_state = tx.update(grads, state.opt_state, trained)
+  params = nnx.merge_state(optax.apply_updates(trained, updates), frozen)
   grad_norm = optax.tree.norm(grads)
   # A non-finite loss or gradient leaves params and optimizer state as they were (the step still
   # counts); train.nonfinite says, outside the step, whether the run goes on (faults.NonFinite).
@@ -161,8 +189,16 @@ def train_step(
   return TrainState(state.step + 1, params, opt_state, state.rng), metrics
 
 
-def eval_step(params, batch: dict, *, graphdef) -> tuple[jax.Array, jax.Array]:
-  return loss_sums(nnx.merge(graphdef, params), batch)
+def eval_step(params, batch: dict, *, graphdef) -> dict:
+  """Summed loss and count (and, for a classifier, correct predictions) of one batch."""
+  model = nnx.merge(graphdef, params)
+  total, count = task_sums(model, batch)
+  sums = {"total": total, "count": count}
+  if "labels" in batch:
+    logits_BC = model.classify(batch["tokens"], attention_mask=batch["segment_ids"])
+    real_B = (batch["segment_ids"] != 0).any(axis=1)
+    sums["correct"] = jnp.sum((jnp.argmax(logits_BC, -1) == batch["labels"]) & real_B)
+  return sums
 
 
 # Start-up pieces (also used by `zoo eval` and `zoo generate`)
@@ -172,7 +208,8 @@ def init_state(cfg, tx) -> tuple[nnx.GraphDef, TrainState]:
   model = models.build(cfg.model, seed=cfg.seed)
   graphdef, params = nnx.split(model, nnx.Param)
   rng = jax.random.key_data(jax.random.key(cfg.seed + 1))
-  return graphdef, TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), rng)
+  trained = nnx.state(model, lora.trainable(cfg.model))  # the optimizer holds state for these
+  return graphdef, TrainState(jnp.zeros((), jnp.int32), params, tx.init(trained), rng)
 
 
 def abstract_state(cfg, tx) -> TrainState:
@@ -211,6 +248,7 @@ def restore_params(cfg, workdir: str) -> tuple[nnx.GraphDef, nnx.State, int]:
     # A checkpoint of another model fails deep in orbax: say which keys differ instead.
     saved = ml_collections.ConfigDict({"model": ckpts.meta(step)["model"]})
     changed = config_lib.differences(saved, {"model": cfg.model.to_dict()})
+    changed = [c for c in changed if not c.startswith(memory.LEVERS)]
     if changed:
       raise UserError(
         f"{workdir} holds a checkpoint of a different model ({'; '.join(changed)}): give the "
@@ -230,12 +268,13 @@ def check_workdir(cfg, workdir: str):
   faults.check_writable(workdir, checkpoint.directory(workdir))  # now, not at the first save
   path = os.path.join(workdir, "config.json")
   # Only checkpoints can be mixed up: a config.json alone (of a run refused for bad data, say)
-  # is replaced. data.long_records checks the data without changing it.
+  # is replaced. data.long_records checks the data without changing it, and the memory levers
+  # (model.remat, model.scan) how the model is computed, not what it is.
   if os.path.exists(path) and checkpoint.has_steps(workdir):
     with open(path) as f:
       old = config_lib.from_json(f.read())
     changed = config_lib.differences(old, cfg, within=("model.", "data."))
-    changed = [c for c in changed if not c.startswith("data.long_records:")]
+    changed = [c for c in changed if not c.startswith(("data.long_records:", *memory.LEVERS))]
     if changed:
       raise UserError(
         f"{workdir} holds a run of a different model or data ({'; '.join(changed)}). Resuming "
@@ -278,13 +317,16 @@ def evaluate(params, eval_rows, *, graphdef, cfg, layout: parallel.Layout | None
 
   Runs as plain jit over the global (sharded) arrays: XLA partitions it, no shard_map needed."""
   step = jax.jit(functools.partial(eval_step, graphdef=graphdef))
-  total, count = 0.0, 0.0
+  sums = {}
   for batch in data.eval_batches(
     eval_rows, batch_size=cfg.train.batch_size, max_batches=cfg.train.eval_batches
   ):
-    s, n = step(params, put_batch(batch, layout))
-    total, count = total + float(s), count + float(n)
-  loss = total / max(count, 1.0)
+    for k, v in step(params, put_batch(batch, layout)).items():
+      sums[k] = sums.get(k, 0.0) + float(v)
+  count = max(sums["count"], 1.0)
+  loss = sums["total"] / count
+  if "correct" in sums:  # a classifier
+    return {"loss": loss, "accuracy": sums["correct"] / count, "examples": int(sums["count"])}
   return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), "targets": int(count)}
 
 
@@ -296,14 +338,12 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   from tqdm import tqdm
 
   # Workdir and data
-  if cfg.init_from and not os.path.exists(cfg.init_from):
-    raise UserError(
-      f"init_from={cfg.init_from!r} does not exist: give the workdir of an earlier `zoo run` "
-      "(or leave init_from empty to train from scratch)."
-    )
   sizes = mesh.resolve(cfg.mesh, jax.device_count())
   parallel.check_fits(cfg.model, sizes, cfg.train.batch_size, cfg.train.micro_batches)
   layout = parallel.make_layout(sizes) if jax.device_count() > 1 else None
+  init_params = None  # a new run from init_from: read and checked before anything is written
+  if cfg.init_from and not checkpoint.has_steps(workdir):
+    init_params = load_init_params(cfg, nnx.state(models.abstract(cfg.model), nnx.Param))
   check_workdir(cfg, workdir)
   tokenizer = tokenizers.load(cfg.data.tokenizer)
   if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -326,15 +366,25 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     state = ckpts.restore_latest(abstract, data_iterator=data_iter)
   else:
     state = jax.jit(lambda: init_state(cfg, tx)[1], out_shardings=shardings)()
-    if cfg.init_from:
-      params = load_init_params(cfg, state.params)
+    if init_params is not None:  # what it does not give (adapters, init_reinit) stays fresh
+      params = jax.tree.map(
+        lambda loaded, fresh: fresh if isinstance(loaded, jax.ShapeDtypeStruct) else loaded,
+        init_params,
+        state.params,
+      )
       state = dataclasses.replace(state, params=jax.device_put(params, shardings.params))
   start = int(state.step)
 
   # Step functions
   step_fn = jax.jit(
     functools.partial(
-      train_step, graphdef=graphdef, tx=tx, layout=layout, micro_batches=cfg.train.micro_batches
+      train_step,
+      graphdef=graphdef,
+      tx=tx,
+      layout=layout,
+      micro_batches=cfg.train.micro_batches,
+      trainable=lora.trainable(cfg.model),
+      loss_chunk=cfg.train.get("loss_chunk", 0),
     ),
     donate_argnums=0,
     out_shardings=(shardings, None),
@@ -379,7 +429,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         bar.write(f"step {step}: eval loss {ev['loss']:.4f}")
         last = {**last, "eval_loss": ev["loss"]}
         t0 = time.perf_counter()  # evaluation time is not training throughput
-      stop = signals.received if step < cfg.train.steps else None  # read once per step
+      # Read once per step; with several processes, every one of them stops at the same step.
+      stop = signals.stop_after() if step < cfg.train.steps else None
       if stop or step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
         nonfinite.check()  # under "stop", nothing after a non-finite step is saved
         ckpts.save(step, state, data_iterator=data_iter, meta=meta, force=bool(stop))
@@ -396,34 +447,56 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
 
 
 def load_init_params(cfg, params: nnx.State) -> nnx.State:
-  """Params from `init_from` (a zoo run's workdir or a `zoo convert` output) in place of the
-  fresh ones; shapes must fit."""
-  path = cfg.init_from
+  """`params` (arrays, or abstract ShapeDtypeStructs) with the weights of `init_from` (a zoo
+  run's workdir, a `zoo convert` output or a Hugging Face directory) in their place.
+
+  Every parameter of the model must come from the checkpoint with its shape, except LoRA
+  adapters and what `init_reinit` names (a new head, a resized vocab), which keep their fresh
+  initialisation; every parameter of the checkpoint must be used. All that does not fit is
+  reported in one error.
+  """
+  from common import hub
+
+  path = hub.fetch(paths.resolve(cfg.init_from))  # a hub id is downloaded
   if not os.path.exists(path):
     raise UserError(
-      f"init_from={path!r} does not exist: give the workdir of an earlier `zoo run` "
-      "(or leave init_from empty to train from scratch)."
+      f"init_from={path!r} does not exist: give the workdir of an earlier `zoo run`, a "
+      "`zoo convert` output, a Hugging Face directory or hub id (or leave init_from empty)."
     )
-  ckpts, step = checkpoint.open_latest(path)
-  try:
-    source = ml_collections.ConfigDict(ckpts.meta(step)["model"])
-    # Params only: the optimizer starts fresh, whatever trained the checkpoint (if anything did).
-    abstract = nnx.state(models.abstract(source), nnx.Param)
-    loaded = ckpts.restore(step, {"params": abstract})["params"]
-  finally:
-    ckpts.close()
+  _, loaded = hub.read(path)  # params only: the optimizer starts fresh
+  reinit = [p.strip() for p in cfg.get("init_reinit", "").split(",") if p.strip()]
   want = dict(nnx.to_flat_state(params))
   got = dict(nnx.to_flat_state(loaded))
+
+  def fresh(key) -> bool:
+    return isinstance(want.get(key), lora.LoRAParam) or lora.matches(_dotted(key), reinit)
+
   problems = [
-    f"{'.'.join(map(str, k))}: checkpoint {getattr(got.get(k), 'shape', 'missing')} vs "
-    f"model {v.shape}"
+    f"{_dotted(k)}: checkpoint {got[k].shape if k in got else 'missing'} vs model {v.shape}"
     for k, v in want.items()
-    if k not in got or got[k].shape != v.shape
+    if not fresh(k) and (k not in got or got[k].shape != v.shape)
+  ]
+  problems += [
+    f"{_dotted(k)}: in the checkpoint, not in the model {got[k].shape}"
+    for k in got
+    if k not in want and not lora.matches(_dotted(k), reinit)
   ]
   if problems:
     raise UserError(
-      f"The checkpoint in {path} does not fit this experiment's model:\n  "
-      + "\n  ".join(problems[:10])
-      + "\nUse a checkpoint of the same model config, or change the experiment's model."
+      f"The checkpoint in {path} does not fit this experiment's model ({len(problems)} "
+      "parameters):\n  "
+      + "\n  ".join(problems[:20])
+      + ("\n  ..." if len(problems) > 20 else "")
+      + "\nUse a checkpoint of the same model config, change the experiment's model, or name "
+      "the parameters to start fresh in init_reinit (e.g. --config.init_reinit='head.*')."
     )
-  return loaded
+  return nnx.from_flat_state(
+    [
+      (k, v if fresh(k) else v.replace(jnp.asarray(got[k][...], v.get_value().dtype)))
+      for k, v in want.items()
+    ]
+  )
+
+
+def _dotted(key: tuple) -> str:
+  return ".".join(map(str, key))

@@ -19,6 +19,7 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.init_from = ""
+  c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "embed.*,lm_head.*")
 
   # Data: your corpus, in the model's own tokenizer (Llama 3's tokenizer.json, kind hf).
   c.data = data.config(

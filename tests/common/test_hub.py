@@ -89,6 +89,9 @@ ARCHS = {
     tf.GPT2Config(**GPT2_SMALL, tie_word_embeddings=False, activation_function="relu", n_inner=80)
   ),
   "bert": lambda: tf.BertModel(tf.BertConfig(**SMALL, max_position_embeddings=32)),
+  "bert-classifier": lambda: tf.BertForSequenceClassification(
+    tf.BertConfig(**SMALL, max_position_embeddings=32, num_labels=3)
+  ),
 }
 
 
@@ -119,7 +122,7 @@ def inputs(seed: int = 0) -> dict:
 def hf_forward(model, x: dict) -> tuple[np.ndarray, list[np.ndarray]]:
   """The output (logits, or BERT's hidden states) and the hidden states after each layer."""
   kw = {}
-  if isinstance(model, tf.BertModel):
+  if model.config.model_type == "bert":
     kw = {k: torch.tensor(x[k]) for k in ("attention_mask", "token_type_ids")}
   with torch.no_grad():
     out = model(torch.tensor(x["tokens"]), output_hidden_states=True, **kw)
@@ -135,13 +138,14 @@ def zoo_forward(model, x: dict) -> tuple[np.ndarray, list[np.ndarray]]:
   layers = []
   if hasattr(model, "token_type"):  # BERT
     mask, types = jnp.asarray(x["attention_mask"]), jnp.asarray(x["token_type_ids"])
-    final = model(tokens, attention_mask=mask, token_type_ids=types)
+    run = model.classify if model.head is not None else model
+    final = run(tokens, attention_mask=mask, token_type_ids=types)
     h = model.embed_norm(
       model.position.embed(model.embed(tokens) + model.token_type(types), positions)
     )
     layers.append(h)
     for block in model.blocks:
-      h = block(h, positions_BT=positions, segment_ids_BT=mask, position=model.position)
+      h, _ = block(h, positions_BT=positions, segment_ids_BT=mask, position=model.position)
       layers.append(h)
   else:
     final = model(tokens)
@@ -190,7 +194,10 @@ def test_convert_matches_transformers_and_exports_back(name, tmp_path):
   print(f"{name}: max |ours - transformers| = {diff:.2e}")
 
   hub.export_hf(str(tmp_path / "zoo"), str(tmp_path / "export"))
-  auto = tf.AutoModel if isinstance(model, tf.BertModel) else tf.AutoModelForCausalLM
+  auto = {
+    tf.BertModel: tf.AutoModel,
+    tf.BertForSequenceClassification: tf.AutoModelForSequenceClassification,
+  }.get(type(model), tf.AutoModelForCausalLM)
   back = auto.from_pretrained(tmp_path / "export").eval()
   assert type(back) is type(model)
   for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # kept from the source
@@ -483,3 +490,117 @@ def test_export_needs_a_checkpoint(tmp_path):
   assert not os.path.exists(tmp_path / "ex")
   code, _, err = run_cli(["convert", "hf", tmp_path / "nope", "--out", tmp_path / "o"])
   assert code == 2 and "zoo: error:" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# init_from a Hugging Face directory: a new head, and what does not fit
+
+
+def genre_cfg(hf_dir, **model_overrides):
+  """text/minilm-shakespeare-genre's smoke form on the tiny BERT of `hf_dir`."""
+  cfg = experiments.get_config("text/minilm-shakespeare-genre:smoke")
+  model_cfg, _ = hub.read(str(hf_dir))
+  model_cfg.num_labels = 3
+  model_cfg.update(model_overrides)
+  cfg.model, cfg.init_from, cfg.init_reinit = model_cfg, str(hf_dir), "head.*"
+  return cfg
+
+
+def fresh_params(cfg):
+  return trainer.init_state(cfg, trainer.optimizer(cfg.optim, cfg.train.steps))[1].params
+
+
+def flat(params) -> dict:
+  return {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(params)}
+
+
+def test_init_from_an_hf_dir_keeps_a_new_head_fresh(tmp_path):
+  hf_model("bert").save_pretrained(tmp_path / "hf")
+  cfg = genre_cfg(tmp_path / "hf")
+  fresh = flat(fresh_params(cfg))
+  loaded = flat(trainer.load_init_params(cfg, fresh_params(cfg)))
+  _, hf_params = hub.read(str(tmp_path / "hf"))
+  from_hf = flat(hf_params)
+  assert set(loaded) == set(from_hf) | {"head.kernel", "head.bias"}
+  for k, v in loaded.items():
+    np.testing.assert_array_equal(v, fresh[k] if k.startswith("head.") else from_hf[k], err_msg=k)
+
+
+def test_init_from_names_every_parameter_that_does_not_fit(tmp_path):
+  hf_model("bert").save_pretrained(tmp_path / "hf")
+  cfg = genre_cfg(tmp_path / "hf", num_layers=1, vocab_size=V + 8)
+  cfg.init_reinit = ""
+  with pytest.raises(UserError) as e:
+    trainer.load_init_params(cfg, fresh_params(cfg))
+  msg = str(e.value)
+  assert "head.kernel: checkpoint missing vs model (64, 3)" in msg
+  assert f"embed.embedding: checkpoint ({V}, 64) vs model ({V + 8}, 64)" in msg
+  assert "blocks.1.attn.q.kernel: in the checkpoint, not in the model" in msg
+  assert "init_reinit" in msg
+  with pytest.raises(UserError, match="does not fit"):  # and `zoo run` writes nothing
+    trainer.train(cfg, str(tmp_path / "run"), progress=False)
+  assert not os.path.exists(tmp_path / "run")
+
+  # Named in init_reinit, the resized vocab starts fresh; the extra layer is still refused.
+  cfg.init_reinit = "head.*,embed.*"
+  with pytest.raises(UserError) as e:
+    trainer.load_init_params(cfg, fresh_params(cfg))
+  assert "embed.embedding" not in str(e.value) and "blocks.1." in str(e.value)
+
+
+@pytest.mark.slow
+def test_fine_tune_from_an_hf_dir_trains_the_classifier(tmp_path):
+  """`zoo run` with init_from = a BertModel directory and a new head trains, and evaluates
+  accuracy on the held-out plays."""
+  torch.manual_seed(0)
+  tf.BertModel(
+    tf.BertConfig(**{**SMALL, "vocab_size": 256}, max_position_embeddings=64)
+  ).save_pretrained(tmp_path / "hf")
+  cfg = genre_cfg(tmp_path / "hf")
+  last = trainer.train(cfg, str(tmp_path / "run"), progress=False)
+  assert np.isfinite(last["loss"]) and 0 <= last.get("eval_loss", 0) < 10
+  with open(tmp_path / "run" / "metrics.jsonl") as f:
+    evals = [json.loads(line) for line in f if '"eval"' in line]
+  assert 0.0 <= evals[-1]["accuracy"] <= 1.0 and evals[-1]["examples"] > 0
+
+
+@pytest.mark.parametrize("family,name", [("gpt2", "GPT-2"), ("bert", "BERT")])
+def test_export_refuses_settings_the_hf_class_lacks(family, name):
+  from common import models, position
+
+  mod = hub.params_module(family)
+  cfg = models.family_module(family).config("tiny")
+  assert mod.config_to_hf(cfg)["model_type"] == family
+  for change in (
+    lambda c: setattr(c, "position", position.config("alibi")),
+    lambda c: setattr(c.attention, "num_kv_heads", 1),
+    lambda c: setattr(c.mlp, "kind", "swiglu"),
+  ):
+    bad = models.family_module(family).config("tiny")
+    change(bad)
+    with pytest.raises(UserError, match=f"settings HF's {name} does not have"):
+      mod.config_to_hf(bad)
+
+
+def test_a_hub_id_is_fetched_then_converted(tmp_path, monkeypatch):
+  """`zoo convert hf org/name` downloads through huggingface_hub (here a stand-in that serves
+  a local directory: this machine has no network), and a failed fetch is one clear error."""
+  import huggingface_hub
+
+  hf_model("llama").save_pretrained(tmp_path / "hf")
+  asked = []
+
+  def fake_download(repo_id, allow_patterns):
+    asked.append((repo_id, allow_patterns))
+    if repo_id != "tiny-org/tiny-llama":
+      raise OSError("no network")
+    return str(tmp_path / "hf")
+
+  monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+  monkeypatch.chdir(tmp_path)
+  hub.convert_hf("tiny-org/tiny-llama", str(tmp_path / "zoo"))
+  assert asked[0][0] == "tiny-org/tiny-llama" and "*.safetensors" in asked[0][1]
+  assert hub.is_zoo_checkpoint(str(tmp_path / "zoo"))
+  with pytest.raises(UserError, match="fetching it from the Hugging Face hub failed.*no network"):
+    hub.convert_hf("other-org/missing", str(tmp_path / "zoo2"))
+  assert not os.path.exists(tmp_path / "zoo2")

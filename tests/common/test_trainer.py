@@ -322,3 +322,24 @@ def test_init_from_a_missing_path_is_a_user_error(tmp_path):
   cfg = smoke_config({"init_from": str(tmp_path / "nope")})
   with pytest.raises(UserError, match=re.escape(str(tmp_path / "nope"))):
     trainer.load_init_params(cfg, None)
+
+
+@pytest.mark.slow
+def test_resume_with_other_memory_levers(reference, tmp_path):
+  """model.remat and model.scan change how the model is computed, not what it is: a run resumes
+  with other values, or from a config saved before model.scan existed, with the same losses."""
+  workdir = str(tmp_path / "run")
+  trainer.train(smoke_config({"train.steps": "4"}), workdir, progress=False)
+  path = os.path.join(workdir, "config.json")
+  with open(path) as f:
+    saved = json.load(f)
+  del saved["model"]["scan"]
+  with open(path, "w") as f:
+    json.dump(saved, f)
+  levers = {"model.scan": "True", "model.remat": "save_dots"}
+  trainer.train(smoke_config(levers), workdir, progress=False)
+  got, want = train_losses(workdir), train_losses(reference)
+  assert list(got) == list(want)
+  for step, loss in want.items():
+    assert got[step] == pytest.approx(loss, rel=1e-5), step
+  assert trainer.restore_params(smoke_config(), workdir)[2] == 6  # loads with the levers off

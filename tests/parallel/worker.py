@@ -11,7 +11,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from common import experiments, parallel, trainer  # noqa: E402
+from common import experiments, lora, models, parallel, trainer  # noqa: E402
 
 MESHES = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 4, 2), (1, 1, 2)]
 
@@ -76,6 +76,61 @@ def main(exp: str):
   )(jax.device_put(state.params, shardings.params), trainer.put_batch(batch, layout))
   out["(2, 2, 2) micro_batches=2"] = {"total": float(total), "count": float(count)}
   out["(2, 2, 2) micro_batches=2"]["grads"] = flat(grads)
+  # Scan over the layers (remat'd body) inside the sharded step: the per-layer gathers run in
+  # the loop body. Same params: model.scan does not change the parameter tree.
+  scanned = cfg.model.copy_and_resolve_references()
+  scanned.scan, scanned.remat = True, "save_dots"
+  scan_graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(scanned)))
+  total, count, grads = jax.jit(
+    lambda p, b: trainer.sharded_sums_and_grads(p, b, graphdef=scan_graphdef, layout=layout)
+  )(jax.device_put(state.params, shardings.params), trainer.put_batch(batch, layout))
+  out["(2, 2, 2) scan"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
+  # LoRA on every projection (column- and row-parallel, so the adapters' own gathers and psums
+  # run): the gradient of the trained part only, base weights frozen, on (1, 4, 2).
+  lora_cfg = cfg.model.copy_and_resolve_references()
+  lora_cfg.lora = lora.config(rank=4, targets="attn.*,mlp.*")
+  lora_model = models.build(lora_cfg, seed=cfg.seed)
+  for path, b in nnx.to_flat_state(nnx.state(lora_model, lora.LoRAParam)):
+    if path[-1] == "b":  # nonzero, so the adapters change the outputs and A gets a gradient
+      b[...] = 0.1 * jax.random.normal(jax.random.key(len(path)), b[...].shape)
+  lora_graphdef, lora_params = nnx.split(lora_model, nnx.Param)
+  trained, frozen = nnx.split_state(lora_params, lora.trainable(lora_cfg), ...)
+  total, count, grads = jax.jit(
+    lambda t, f, b: trainer.sums_and_grads(t, b, graphdef=lora_graphdef, frozen=f)
+  )(trained, frozen, batch)
+  out["lora single"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
+  layout = parallel.make_layout({"data": 1, "fsdp": 4, "tensor": 2})
+
+  def place(x):
+    return jax.device_put(x, layout.shardings(layout.param_specs(x)))
+
+  total, count, grads = jax.jit(
+    lambda t, f, b: trainer.sharded_sums_and_grads(
+      t, b, graphdef=lora_graphdef, layout=layout, frozen=f
+    )
+  )(place(trained), place(frozen), trainer.put_batch(batch, layout))
+  out["(1, 4, 2) lora"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
+  # Where the compiled step gathers the weights under fsdp=8, scanned: the all-gathers at the
+  # top level of the program (ENTRY) and in all (bench/fsdp_gathers.py prints more).
+  layout = parallel.make_layout({"data": 1, "fsdp": 8, "tensor": 1})
+  _, shardings = trainer.placed_abstract_state(cfg, tx, layout)
+  hlo = (
+    jax.jit(
+      lambda p, b: trainer.sharded_sums_and_grads(p, b, graphdef=scan_graphdef, layout=layout)
+    )
+    .lower(jax.device_put(state.params, shardings.params), trainer.put_batch(batch, layout))
+    .compile()
+    .as_text()
+  )
+  entry = hlo[hlo.index("\nENTRY") :]
+  entry = entry[: entry.index("\n}")]
+  out["fsdp=8 scan all-gathers"] = {
+    "entry": entry.count(" all-gather("),
+    "all": hlo.count(" all-gather("),
+    "outside blocks": sum(
+      1 for k, v in nnx.to_flat_state(state.params) if k[0] != "blocks" and v.ndim == 2
+    ),
+  }
   print(json.dumps(out))
 
 

@@ -5,6 +5,7 @@ tokens + token types + learned positions -> LayerNorm
        -> [x = LayerNorm(x + Attention(x)) -> x = LayerNorm(x + GELU MLP(x))] x L
        -> hidden states [B, T, D]
 pooler (optional): tanh(Linear(hidden[:, 0])) -> [B, D]
+classifier head (num_labels > 0): Linear(pooled) -> logits [B, num_labels]
 """
 
 import math
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from common import attention, mlp, norms, position
+from common import attention, lora, memory, mlp, norms, position
 from common.errors import UserError, suggest
 from common.linear import Embedding, Linear
 from common.models import dtypes
@@ -41,7 +42,7 @@ PRESETS = {
 def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
   """The model config of a preset, with flat overrides: the keys of PRESETS' entries, and
   max_len (512), type_vocab_size (2), norm_eps (1e-12), activation ("gelu_exact", BERT's gelu),
-  pooler (True)."""
+  pooler (True), num_labels (0: no classifier head; as HF's BertForSequenceClassification)."""
   if preset not in PRESETS:
     raise UserError(f"Unknown bert preset {preset!r}.{suggest(preset, PRESETS)}")
   p = {**PRESETS[preset], **overrides}
@@ -65,7 +66,11 @@ def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
         p.get("activation", "gelu_exact"), hidden_dim=p["hidden_dim"], use_bias=True
       ),
       "pooler": p.get("pooler", True),
+      "num_labels": p.get("num_labels", 0),
       "init_std": 0.02,
+      "remat": "none",  # or "full", "save_dots": recompute activations in the backward pass
+      "scan": False,  # True: one compiled block body run by jax.lax.scan over the layers
+      "lora": lora.config(),  # rank > 0: low-rank adapters, base weights frozen
       "dtype": "float32",
       "param_dtype": "float32",
     }
@@ -85,12 +90,13 @@ class Block(nnx.Module):
     self.mlp = mlp.MLP(cfg.mlp, cfg.dim, out_init_std=out_std, rngs=rngs, **dt)
     self.mlp_norm = norms.make(cfg.norm, cfg.dim, **dt)
 
-  def __call__(self, x_BTD, *, positions_BT, segment_ids_BT, position):
+  def __call__(self, x_BTD, *, positions_BT, segment_ids_BT, position, cache=None):
+    # `cache` only for run_blocks' one block contract: an encoder has no KV cache.
     h_BTD, _ = self.attn(
       x_BTD, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT, position=position
     )
     x_BTD = self.attn_norm(x_BTD + h_BTD)
-    return self.mlp_norm(x_BTD + self.mlp(x_BTD))
+    return self.mlp_norm(x_BTD + self.mlp(x_BTD)), cache
 
 
 class Model(nnx.Module):
@@ -109,11 +115,21 @@ class Model(nnx.Module):
     )
     self.embed_norm = norms.make(cfg.norm, cfg.dim, **dt)
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    # absent in configs saved before they existed
+    self.remat, self.scan = cfg.get("remat", "none"), cfg.get("scan", False)
     self.pooler = (
       Linear(
         cfg.dim, cfg.dim, use_bias=True, axes=("D", None), init_std=cfg.init_std, rngs=rngs, **dt
       )
       if cfg.pooler
+      else None
+    )
+    num_labels = cfg.get("num_labels", 0)  # absent in configs saved before it existed
+    if num_labels and not cfg.pooler:
+      raise UserError("model.num_labels > 0 needs model.pooler=True: the head reads the pooler.")
+    self.head = (
+      Linear(cfg.dim, num_labels, use_bias=True, init_std=cfg.init_std, rngs=rngs, **dt)
+      if num_labels
       else None
     )
 
@@ -144,10 +160,15 @@ class Model(nnx.Module):
       token_type_ids = jnp.zeros(tokens_BT.shape, jnp.int32)
     x_BTD = self.embed(tokens_BT) + self.token_type(token_type_ids)
     x_BTD = self.embed_norm(self.position.embed(x_BTD, positions_BT))
-    for block in self.blocks:
-      x_BTD = block(
-        x_BTD, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT, position=self.position
-      )
+    x_BTD, _ = memory.run_blocks(
+      self.blocks,
+      x_BTD,
+      remat=self.remat,
+      scan=self.scan,
+      positions_BT=positions_BT,
+      segment_ids_BT=segment_ids_BT,
+      position=self.position,
+    )
     return x_BTD
 
   def pool(self, hidden_BTD: jax.Array) -> jax.Array:
@@ -155,3 +176,10 @@ class Model(nnx.Module):
     if self.pooler is None:
       raise UserError("This BERT has no pooler (model.pooler=False): pool the hidden states.")
     return jnp.tanh(self.pooler(hidden_BTD[:, 0]))
+
+  def classify(self, tokens_BT, *, attention_mask=None, token_type_ids=None) -> jax.Array:
+    """Class logits [B, num_labels] of each row: the head on the pooled output."""
+    if self.head is None:
+      raise UserError("This BERT has no classifier head: set model.num_labels.")
+    hidden_BTD = self(tokens_BT, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    return self.head(self.pool(hidden_BTD))

@@ -1,4 +1,5 @@
-"""Hugging Face <-> zoo for BERT (BertModel; the encoder of BertFor* checkpoints).
+"""Hugging Face <-> zoo for BERT (BertModel; the encoder of BertFor* checkpoints, and the head of
+BertForSequenceClassification when the model has one: model.num_labels).
 
 A torch Linear weight is [out, in], our kernel [in, out]: transposed. q/k/v/o stay 2-D.
 """
@@ -6,7 +7,7 @@ A torch Linear weight is [out, in], our kernel [in, out]: transposed. q/k/v/o st
 import ml_collections
 
 from common.errors import UserError
-from common.hub import copy, linear
+from common.hub import copy, linear, plain_transformer_activation
 from zoo.bert import model as bert
 
 MODEL_TYPES = ("bert",)
@@ -52,27 +53,29 @@ def config_from_hf(hf: dict, names=()) -> ml_collections.ConfigDict:
     norm_eps=hf.get("layer_norm_eps") or 1e-12,
     activation=ACTIVATIONS[act],
     pooler=any(n.endswith("pooler.dense.weight") for n in names),
+    num_labels=_num_labels(hf, names),
   )
   cfg.init_std = hf.get("initializer_range") or cfg.init_std
   return cfg
 
 
+def _num_labels(hf: dict, names) -> int:
+  if "BertForSequenceClassification" not in (hf.get("architectures") or []):
+    return 0
+  if "classifier.weight" not in names:
+    raise UserError("config.json says BertForSequenceClassification but has no classifier.weight.")
+  return hf.get("num_labels") or len(hf.get("id2label") or {}) or 2
+
+
 def config_to_hf(cfg, model_type: str | None = None) -> dict:
   """config.json; one architecture, so `model_type` is always "bert"."""
-  act = {ours: theirs for theirs, ours in reversed(ACTIVATIONS.items())}.get(cfg.mlp.kind)
+  act = plain_transformer_activation(cfg, ACTIVATIONS, "BERT")
   att = cfg.attention
-  if (
-    act is None
-    or cfg.position.kind != "learned"
-    or cfg.norm.kind != "layer"
-    or att.num_kv_heads != att.num_heads
-    or att.window
-    or att.qk_norm != "none"
-  ):
-    raise UserError("This model has settings HF's BERT does not have: export it as its family.")
+  num_labels = cfg.get("num_labels", 0)
   # Without a pooler, BertModel still loads (it initialises one: the hidden states are the same).
   return {
-    "architectures": ["BertModel"],
+    "architectures": ["BertForSequenceClassification" if num_labels else "BertModel"],
+    **({"num_labels": num_labels} if num_labels else {}),
     "model_type": "bert",
     "vocab_size": cfg.vocab_size,
     "hidden_size": cfg.dim,
@@ -90,7 +93,9 @@ def config_to_hf(cfg, model_type: str | None = None) -> dict:
 
 
 def rules(cfg) -> list:
-  e = "embeddings"
+  # A classifier's encoder weights are named as BertForSequenceClassification's: under "bert.".
+  head = cfg.get("num_labels", 0)
+  e = f"{PREFIX if head else ''}embeddings"
   r = [
     copy(f"{e}.word_embeddings.weight", "embed.embedding"),
     copy(f"{e}.position_embeddings.weight", "position.embedding"),
@@ -99,9 +104,11 @@ def rules(cfg) -> list:
     copy(f"{e}.LayerNorm.bias", "embed_norm.bias"),
   ]
   if cfg.pooler:
-    r += linear("pooler.dense", "pooler", bias=True)
+    r += linear(f"{PREFIX if head else ''}pooler.dense", "pooler", bias=True)
+  if head:
+    r += linear("classifier", "head", bias=True)
   for i in range(cfg.num_layers):
-    hf, zoo = f"encoder.layer.{i}", f"blocks.{i}"
+    hf, zoo = f"{PREFIX if head else ''}encoder.layer.{i}", f"blocks.{i}"
     for theirs, ours in (("query", "q"), ("key", "k"), ("value", "v")):
       r += linear(f"{hf}.attention.self.{theirs}", f"{zoo}.attn.{ours}", bias=True)
     r += linear(f"{hf}.attention.output.dense", f"{zoo}.attn.o", bias=True)

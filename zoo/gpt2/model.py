@@ -10,7 +10,7 @@ import math
 import ml_collections
 from flax import nnx
 
-from common import attention, memory, mlp, norms, position
+from common import attention, lora, memory, mlp, norms, position
 from common.errors import UserError, suggest
 from common.linear import Embedding, Linear
 from common.models import dtypes
@@ -55,6 +55,8 @@ def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
       "tie_embeddings": p.get("tie_embeddings", True),
       "init_std": 0.02,
       "remat": "none",  # or "full", "save_dots": recompute activations in the backward pass
+      "scan": False,  # True: one compiled block body run by jax.lax.scan over the layers
+      "lora": lora.config(),  # rank > 0: low-rank adapters, base weights frozen
       "dtype": "float32",
       "param_dtype": "float32",
     }
@@ -101,6 +103,7 @@ class Model(nnx.Module):
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.norm = norms.make(cfg.norm, cfg.dim, **dt)
     self.remat = cfg.remat
+    self.scan = cfg.get("scan", False)  # absent in configs saved before it existed
     self.lm_head = (
       None
       if cfg.tie_embeddings
@@ -109,6 +112,14 @@ class Model(nnx.Module):
 
   def __call__(self, tokens_BT, *, positions_BT=None, segment_ids_BT=None, cache=None):
     """Logits [B, T, V]; with a KV cache (see `init_cache`), (logits, updated cache)."""
+    x_BTD, new_cache = self.hidden(
+      tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT, cache=cache
+    )
+    logits_BTV = self.logits(x_BTD)
+    return logits_BTV if cache is None else (logits_BTV, new_cache)
+
+  def hidden(self, tokens_BT, *, positions_BT=None, segment_ids_BT=None, cache=None):
+    """The final (normed) hidden states [B, T, D] and the updated cache."""
     if positions_BT is None:
       positions_BT = position.default_positions(tokens_BT, segment_ids_BT, cache)
     x_BTD = self.position.embed(self.embed(tokens_BT), positions_BT)
@@ -117,13 +128,16 @@ class Model(nnx.Module):
       x_BTD,
       cache=cache,
       remat=self.remat,
+      scan=self.scan,
       positions_BT=positions_BT,
       segment_ids_BT=segment_ids_BT,
       position=self.position,
     )
-    x_BTD = self.norm(x_BTD)
-    logits_BTV = self.embed.attend(x_BTD) if self.lm_head is None else self.lm_head(x_BTD)
-    return logits_BTV if cache is None else (logits_BTV, new_cache)
+    return self.norm(x_BTD), new_cache
+
+  def logits(self, x_BTD):
+    """The output projection: the tied embedding table, or lm_head."""
+    return self.embed.attend(x_BTD) if self.lm_head is None else self.lm_head(x_BTD)
 
   def init_cache(self, batch: int, max_len: int) -> list[attention.KVCache]:
     return [block.attn.init_cache(batch, max_len) for block in self.blocks]

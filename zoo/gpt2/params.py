@@ -7,7 +7,7 @@ they are. c_attn fuses q, k and v along its output dim: split in three (concaten
 import ml_collections
 
 from common.errors import UserError
-from common.hub import copy, split, transpose
+from common.hub import copy, plain_transformer_activation, split, transpose
 from zoo.gpt2 import model as gpt2
 
 MODEL_TYPES = ("gpt2",)
@@ -59,17 +59,8 @@ def config_from_hf(hf: dict, names=()) -> ml_collections.ConfigDict:
 
 def config_to_hf(cfg, model_type: str | None = None) -> dict:
   """config.json; one architecture, so `model_type` is always "gpt2"."""
-  act = {ours: theirs for theirs, ours in reversed(ACTIVATIONS.items())}.get(cfg.mlp.kind)
+  act = plain_transformer_activation(cfg, ACTIVATIONS, "GPT-2")
   att = cfg.attention
-  if (
-    act is None
-    or cfg.position.kind != "learned"
-    or cfg.norm.kind != "layer"
-    or att.num_kv_heads != att.num_heads
-    or att.window
-    or att.qk_norm != "none"
-  ):
-    raise UserError("This model has settings HF's GPT-2 does not have: export it as its family.")
   return {
     "architectures": ["GPT2LMHeadModel"],
     "model_type": "gpt2",

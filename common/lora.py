@@ -1,0 +1,130 @@
+"""LoRA: low-rank adapters on chosen projections, with the base weights frozen.
+
+A LoRA projection computes `x @ W + (alpha / rank) * (x @ A) @ B`, with `A` [in, rank] random and
+`B` [rank, out] zero at the start, so a fresh adapter changes nothing. Which projections get one
+is a config value (`model.lora.targets`: patterns on the module path, e.g. "attn.q,attn.v" or
+"mlp.*"), applied to any family after it is built (`common.models.build`); the family's
+`model.py` never mentions LoRA. With `model.lora.rank > 0` the trainer updates only the adapter
+weights (and the parameters `model.lora.train` names, e.g. a new classifier head): the optimizer
+holds no state for the rest and no gradient is computed for it. `merge` folds the adapters into
+the base weights, which is what `zoo export hf` writes.
+"""
+
+import fnmatch
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from common import parallel
+from common.errors import UserError
+
+
+class LoRAParam(nnx.Param):
+  """An adapter weight: the only kind of parameter a LoRA run trains (with `lora.train`)."""
+
+
+def config(
+  rank: int = 0, alpha: float = 16.0, targets: str = "attn.q,attn.v", train: str = ""
+) -> ml_collections.ConfigDict:
+  """A `model.lora` sub-config. rank=0: no adapters, every parameter trains. targets: comma-
+  separated patterns matched against the end of each Linear's dotted path (`blocks.3.attn.q`);
+  train: patterns of other parameters that still train (e.g. "head.*")."""
+  return ml_collections.ConfigDict(
+    {"rank": rank, "alpha": alpha, "targets": targets, "train": train}
+  )
+
+
+def _patterns(value: str) -> list[str]:
+  return [p.strip() for p in value.split(",") if p.strip()]
+
+
+def matches(path: str, patterns: list[str]) -> bool:
+  """Does a dotted path end with one of the glob patterns (`attn.q` matches `blocks.0.attn.q`)?"""
+  return any(fnmatch.fnmatch(path, p) or fnmatch.fnmatch(path, "*." + p) for p in patterns)
+
+
+class LoRA(nnx.Module):
+  """The adapter of one projection with kernel axes `axes`: (x @ A) @ B * alpha / rank."""
+
+  def __init__(self, in_features, out_features, *, rank, alpha, axes, dtype, param_dtype, rngs):
+    self.scale, self.axes, self.dtype = alpha / rank, axes, dtype
+    # A as a Kaiming-uniform init of a [in, rank] kernel (as PEFT); B zero.
+    self.a = LoRAParam(
+      nnx.initializers.kaiming_uniform()(rngs.params(), (in_features, rank), param_dtype),
+      axes=(axes[0], None),
+    )
+    self.b = LoRAParam(jnp.zeros((rank, out_features), param_dtype), axes=(None, axes[1]))
+
+  def __call__(self, x_MD: jax.Array) -> jax.Array:
+    """The adapter's addition to the projection of 2-D x (the input dim may be split over
+    tensor, as the base kernel's: then x @ A is summed over it)."""
+    a = parallel.gather(self.a[...], self.a.axes).astype(self.dtype)
+    b = parallel.gather(self.b[...], self.b.axes).astype(self.dtype)
+    h = parallel.reduce(jnp.dot(x_MD.astype(self.dtype), a), self.axes[0])
+    return jnp.dot(h, b) * self.scale
+
+
+def _linears(model: nnx.Module):
+  from common.linear import Linear
+
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, Linear):
+      yield ".".join(map(str, path)), node
+
+
+def apply(model: nnx.Module, cfg, *, seed: int = 0) -> nnx.Module:
+  """Adds an adapter to every Linear of `model` whose path matches `cfg.targets`."""
+  if not cfg.rank:
+    return model
+  if cfg.rank < 0:
+    raise UserError(f"model.lora.rank={cfg.rank} must be positive (0: no LoRA).")
+  patterns = _patterns(cfg.targets)
+  linears = dict(_linears(model))
+  chosen = {path: lin for path, lin in linears.items() if matches(path, patterns)}
+  if not chosen:
+    names = sorted({p.split(".", 2)[-1] if p.startswith("blocks.") else p for p in linears})
+    raise UserError(
+      f"model.lora.targets={cfg.targets!r} matches no projection of this model. Its "
+      f"projections (per block): {', '.join(names)}."
+    )
+  rngs = nnx.Rngs(seed + 1_000_003)  # its own stream: the base weights are those without LoRA
+  for lin in chosen.values():
+    lin.lora = LoRA(
+      lin.in_features,
+      lin.out_features,
+      rank=cfg.rank,
+      alpha=cfg.alpha,
+      axes=lin.axes,
+      dtype=lin.dtype,
+      param_dtype=lin.kernel[...].dtype,
+      rngs=rngs,
+    )
+  return model
+
+
+def trainable(cfg):
+  """The nnx filter of the parameters a run trains: all of them, or with LoRA the adapters and
+  what `model.lora.train` names."""
+  lora = cfg.get("lora")
+  if lora is None or not lora.rank:
+    return nnx.Param
+  patterns = _patterns(lora.train)
+
+  def is_trained(path, x):
+    return isinstance(x, LoRAParam) or (
+      isinstance(x, nnx.Param) and matches(".".join(map(str, path)), patterns)
+    )
+
+  return is_trained
+
+
+def merge(model: nnx.Module) -> nnx.Module:
+  """Folds each adapter into its base kernel (W += A @ B * scale) and removes it, in place."""
+  for _, lin in _linears(model):
+    if getattr(lin, "lora", None) is not None:
+      delta = (lin.lora.a[...] @ lin.lora.b[...]) * lin.lora.scale
+      lin.kernel[...] = (lin.kernel[...] + delta).astype(lin.kernel[...].dtype)
+      lin.lora = nnx.data(None)
+  return model

@@ -1,0 +1,156 @@
+"""Next-token cross-entropy through the output projection a chunk of tokens at a time, so the
+[tokens, V] logits and their gradient never exist whole (`train.loss_chunk`, 0 = off).
+
+Each chunk's logits are computed, turned into the chunk's loss and into the gradient of that
+loss with respect to the head's weights and inputs, and dropped: the gradient is computed in the
+forward pass (a custom VJP whose backward only scales it), so the head's matmuls run three
+times, as without chunks, never four. With a 32k vocab the logits are the largest array of a
+small model's step, and keeping one chunk of them in cache is faster as well as smaller
+(bench/train_vs_torch.py). Works with the vocab-parallel head of common/parallel.py: each
+device handles its slice of the vocab and the softmax is assembled as in
+`parallel.cross_entropy`.
+"""
+
+import contextlib
+import contextvars
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from common import parallel
+from common.errors import UserError
+
+_CHUNK: contextvars.ContextVar[int] = contextvars.ContextVar("loss_chunk", default=0)
+
+
+@contextlib.contextmanager
+def chunked(tokens: int):
+  """Within it, `trainer.loss_sums` runs the head and loss `tokens` tokens at a time (0: off)."""
+  token = _CHUNK.set(int(tokens))
+  try:
+    yield
+  finally:
+    _CHUNK.reset(token)
+
+
+def chunk_size() -> int:
+  return _CHUNK.get()
+
+
+def cross_entropy_and_grad(logits_NV: jax.Array, targets_N: jax.Array):
+  """Per-token cross-entropy [N] and its gradient with respect to the logits [N, V] (this
+  device's vocab slice when the vocab is split over `tensor`)."""
+  logits = logits_NV.astype(jnp.float32)
+  v_local = logits.shape[-1]
+  if parallel.tensor_split("V"):
+    local_targets = targets_N - parallel.tensor_index() * v_local
+    m = parallel.pmax_tensor(jnp.max(logits, axis=-1))
+    lse = jnp.log(parallel.psum_tensor(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))) + m
+  else:
+    local_targets = targets_N
+    lse = jax.nn.logsumexp(logits, axis=-1)
+  # No hit in this slice when the target lies in another device's slice of the vocab.
+  hit = local_targets[:, None] == jnp.arange(v_local, dtype=local_targets.dtype)
+  target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+  if parallel.tensor_split("V"):
+    target_logit = parallel.psum_tensor(target_logit)
+  return lse - target_logit, jnp.exp(logits - lse[:, None]) - hit
+
+
+def _varying(x) -> frozenset:
+  """The mesh axes `x` varies over inside shard_map (empty outside)."""
+  aval = jax.typeof(x)
+  return frozenset(getattr(aval, "vma", None) or aval.mat.varying)
+
+
+def _to_varying(x, axes: frozenset):
+  missing = tuple(sorted(axes - _varying(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _sum_to(ct, axes: frozenset):
+  """A cotangent summed over the axes its primal did not vary over (autodiff's transpose of
+  the implicit broadcast, done by hand in a custom VJP)."""
+  extra = tuple(sorted(_varying(ct) - axes))
+  return jax.lax.psum(ct, extra) if extra else ct
+
+
+def head_cross_entropy_sum(
+  head: nnx.Module, method: str, x_ND: jax.Array, targets_N, weights_N, *, chunk: int
+) -> jax.Array:
+  """sum_n weights_N[n] * CE(head.<method>(x_ND[n]), targets_N[n]), `chunk` tokens at a time.
+
+  `head` is the model's output projection (its `lm_head`, or the embedding whose `attend` is
+  the tied head); its parameters and `x_ND` get gradients, `targets_N` and `weights_N` not.
+  """
+  N, D = x_ND.shape
+  pad = -N % chunk
+  if pad:  # padded tokens weigh 0
+    x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
+    targets_N, weights_N = jnp.pad(targets_N, (0, pad)), jnp.pad(weights_N, (0, pad))
+  graphdef, params, rest = nnx.split(head, nnx.Param, ...)
+  rest = jax.lax.stop_gradient(rest)
+  targets_KC = targets_N.reshape(-1, chunk)
+  weights_KC = weights_N.astype(jnp.float32).reshape(-1, chunk)
+  varying = {}  # what the primal inputs vary over, read when tracing the forward pass
+
+  def apply(params, x_CD):
+    return getattr(nnx.merge(graphdef, params, rest), method)(x_CD)
+
+  def forward(params, x_ND):
+    varying["params"] = jax.tree.map(_varying, params)
+    varying["x"] = _varying(x_ND)
+    # The weights' gradient is summed over this device's chunks first, over devices at the end.
+    params = jax.tree.map(lambda p: _to_varying(p, _varying(x_ND)), params)
+
+    def body(dparams, chunk_in):
+      x_CD, targets_C, weights_C = chunk_in
+      logits_CV, vjp = jax.vjp(apply, params, x_CD)
+      ce_C, dlogits_CV = cross_entropy_and_grad(logits_CV, targets_C)
+      dp, dx_CD = vjp((dlogits_CV * weights_C[:, None]).astype(logits_CV.dtype))
+      return jax.tree.map(jnp.add, dparams, dp), (jnp.sum(ce_C * weights_C), dx_CD)
+
+    xs = (x_ND.reshape(-1, chunk, D), targets_KC, weights_KC)
+    dparams, (sums, dx) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), xs)
+    return jnp.sum(sums), (dparams, dx.reshape(-1, D))
+
+  @jax.custom_vjp
+  def total(params, x_ND):  # the value alone (no gradient asked for): no vjp per chunk
+    def body(_, chunk_in):
+      x_CD, targets_C, weights_C = chunk_in
+      ce_C, _ = cross_entropy_and_grad(apply(params, x_CD), targets_C)
+      return None, jnp.sum(ce_C * weights_C)
+
+    xs = (x_ND.reshape(-1, chunk, D), targets_KC, weights_KC)
+    return jnp.sum(jax.lax.scan(body, None, xs)[1])
+
+  def backward(res, g):
+    dparams, dx = res
+    dparams = jax.tree.map(lambda d, v: _sum_to(d * g, v), dparams, varying["params"])
+    return dparams, _sum_to((dx * g).astype(x_ND.dtype), varying["x"])
+
+  total.defvjp(forward, backward)
+  return total(params, x_ND)
+
+
+def decoder_sums(model, inputs_BT, segment_ids_BT, targets_BT, weights_BT, *, chunk: int):
+  """`trainer.loss_sums`'s summed loss with the head run `chunk` tokens at a time: the decoder's
+  `hidden` states, then its output projection (`lm_head`, or when tied `embed.attend`, as the
+  decoder's own `logits`) chunk by chunk."""
+  if not hasattr(model, "hidden") or not hasattr(model, "embed"):
+    raise UserError(
+      f"train.loss_chunk needs a decoder with `hidden` and `embed` ({type(model).__module__} "
+      "has not): set --config.train.loss_chunk=0."
+    )
+  head, method = (model.embed, "attend") if model.lm_head is None else (model.lm_head, "__call__")
+  x_BTD, _ = model.hidden(inputs_BT, segment_ids_BT=segment_ids_BT)
+  B, T, D = x_BTD.shape
+  return head_cross_entropy_sum(
+    head,
+    method,
+    x_BTD.reshape(B * T, D),
+    targets_BT.reshape(-1),
+    weights_BT.reshape(-1),
+    chunk=min(chunk, B * T),
+  )

@@ -1,0 +1,61 @@
+"""lm/shakespeare-char's model fine-tuned on one play (Hamlet), tested on the play's last tenth.
+
+Command:   zoo run lm/shakespeare-finetune --workdir runs/hamlet
+           (after `zoo run lm/shakespeare-char --workdir runs/shakespeare`, whose checkpoint it
+            starts from; another: --config.init_from=DIR)
+Hardware:  a 2-core CPU.
+Time:      not yet measured.
+Expected:  not yet measured.
+Data:      Hamlet, held out of lm/shakespeare-char's training: its first 90% trains, its last
+           10% is the held-out split (data.eval_fraction).
+"""
+
+import ml_collections
+
+from common import data, tokenizers
+from zoo.llama import model as llama
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.init_from = "runs/shakespeare"  # the README's lm/shakespeare-char run
+  c.init_reinit = ""
+
+  # Data: one play, held out by position (its end) rather than by play.
+  c.data = data.config(
+      kind="shakespeare",
+      train_plays="hamlet",
+      eval_fraction=0.1,
+      tokenizer=tokenizers.config("bytes"),
+      seq_len=128,
+  )
+
+  # Model: lm/shakespeare-char's, which the checkpoint must fit.
+  c.model = llama.config(
+      "tiny", vocab_size=256, dim=256, num_layers=4, num_heads=8, num_kv_heads=8,
+      hidden_dim=768, rope_theta=1e4,
+  )
+
+  # Optimizer: a tenth of the pretraining rate, short warm-up, no decay to speak of.
+  c.optim = ml_collections.ConfigDict(dict(
+      lr=3e-4, warmup_steps=10, schedule="cosine", min_lr_ratio=0.5,
+      b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0,
+  ))
+
+  # Training
+  c.train = ml_collections.ConfigDict(dict(
+      steps=100, batch_size=32, log_every=10, eval_every=50, eval_batches=0,
+      checkpoint_every=100, keep_checkpoints=1, nonfinite="skip", micro_batches=1,
+  ))
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
+  c.mesh_rules = [("cpux1", {}), ("*x8", {"mesh.data": 8})]
+
+  if arg == "smoke":  # from scratch: a smoke test has no lm/shakespeare-char run to start from
+    c.mesh_rules = []
+    c.init_from = ""
+    c.data.seq_len = 32
+    c.model = llama.config("tiny", vocab_size=256)
+    c.train.update(steps=4, batch_size=4, log_every=1, eval_every=4, eval_batches=2,
+                   checkpoint_every=2)
+  return c
