@@ -18,12 +18,19 @@ import ml_collections
 from common import data, tokenizers
 from zoo.llama import model as llama
 
+# The Hugging Face config this experiment's model equals (tests/experiments/test_llama_19m.py),
+# which the benchmarks build the PyTorch side from.
+HF_CONFIG = dict(
+    vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e4,
+    tie_word_embeddings=False,
+)
+
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.init_from = ""
-  c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "embed.*,lm_head.*")
   c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "embed.*,lm_head.*")
 
   # Data: Shakespeare bytes, rows of 256 tokens (see the docstring for why bytes).

@@ -4,8 +4,11 @@ Command:   zoo run lm/shakespeare-finetune --workdir runs/hamlet
            (after `zoo run lm/shakespeare-char --workdir runs/shakespeare`, whose checkpoint it
             starts from; another: --config.init_from=DIR)
 Hardware:  a 2-core CPU.
-Time:      not yet measured.
-Expected:  not yet measured.
+Time:      56 s on 2 CPU cores (100 steps of 32 x 128 bytes, start-up and two evaluations).
+Expected:  loss 1.427 nats per character on the last tenth of Hamlet at step 100 (1.434 at step
+           50), against 1.615 for the lm/shakespeare-char checkpoint it starts from. LoRA
+           (--config.model.lora.rank=8 --config.model.lora.targets='attn.*,mlp.*'
+           --config.optim.lr=3e-3, 163,840 adapter weights trained): 1.433.
 Data:      Hamlet, held out of lm/shakespeare-char's training: its first 90% trains, its last
            10% is the held-out split (data.eval_fraction).
 """
@@ -13,6 +16,7 @@ Data:      Hamlet, held out of lm/shakespeare-char's training: its first 90% tra
 import ml_collections
 
 from common import data, tokenizers
+from experiments.lm import shakespeare_char
 from zoo.llama import model as llama
 
 
@@ -31,11 +35,8 @@ def get_config(arg=None):
       seq_len=128,
   )
 
-  # Model: lm/shakespeare-char's, which the checkpoint must fit.
-  c.model = llama.config(
-      "tiny", vocab_size=256, dim=256, num_layers=4, num_heads=8, num_kv_heads=8,
-      hidden_dim=768, rope_theta=1e4,
-  )
+  # Model: lm/shakespeare-char's own, which the checkpoint must fit.
+  c.model = shakespeare_char.get_config().model
 
   # Optimizer: a tenth of the pretraining rate, short warm-up, no decay to speak of.
   c.optim = ml_collections.ConfigDict(dict(

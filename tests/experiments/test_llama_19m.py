@@ -3,18 +3,7 @@
 import pytest
 
 from common import experiments, models
-
-HF_CONFIG = dict(
-  vocab_size=32000,
-  hidden_size=256,
-  intermediate_size=768,
-  num_hidden_layers=4,
-  num_attention_heads=8,
-  num_key_value_heads=2,
-  rms_norm_eps=1e-6,
-  rope_theta=1e4,
-  tie_word_embeddings=False,
-)
+from experiments.bench.llama_19m import HF_CONFIG
 
 
 def test_parameter_count():
