@@ -177,14 +177,18 @@ def train_step(
       total, count, grads = sharded_sums_and_grads(trained, batch, layout=layout, **kw)
   count = jnp.maximum(count, 1.0)
   loss, grads = total / count, jax.tree.map(lambda g: g / count, grads)
-  updates, opt_state = tx.update(grads, state.opt_state, trained)
-  params = nnx.merge_state(optax.apply_updates(trained, updates), frozen)
   grad_norm = optax.tree.norm(grads)
+
+  def update(trained, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, trained)
+    return optax.apply_updates(trained, updates), opt_state
+
   # A non-finite loss or gradient leaves params and optimizer state as they were (the step still
   # counts); train.nonfinite says, outside the step, whether the run goes on (faults.NonFinite).
-  (params, opt_state), skipped = faults.keep_if_finite(
-    loss, grad_norm, (params, opt_state), (state.params, state.opt_state)
+  (trained, opt_state), skipped = faults.update_if_finite(
+    loss, grad_norm, update, trained, state.opt_state, grads
   )
+  params = nnx.merge_state(trained, frozen)
   metrics = {"loss": loss, "grad_norm": grad_norm, "targets": count, "skipped": skipped}
   return TrainState(state.step + 1, params, opt_state, state.rng), metrics
 
