@@ -96,10 +96,12 @@ ADDED_LATER = {
 }
 
 
-def differences(old, new, *, within: tuple[str, ...] = ("",), limit: int = 6) -> list[str]:
-  """'key: old -> new' for each leaf (under the prefixes `within`) that differs, both sides
-  compared as JSON would store them (so a tuple equals the list it is saved as); a key of
-  ADDED_LATER missing on one side counts as its neutral value."""
+def differences(
+  old, new, *, within: tuple[str, ...] = ("",), ignore: tuple[str, ...] = (), limit: int = 6
+) -> list[str]:
+  """'key: old -> new' for each leaf (under the prefixes `within`, not one of the keys `ignore`)
+  that differs, both sides compared as JSON would store them (so a tuple equals the list it is
+  saved as); a key of ADDED_LATER missing on one side counts as its neutral value."""
   a, b = (flatten(from_json(to_json(c))) for c in (old, new))
   for side in (a, b):
     if "model.family" in side or "data.kind" in side:  # a model or data config at all
@@ -107,7 +109,7 @@ def differences(old, new, *, within: tuple[str, ...] = ("",), limit: int = 6) ->
   keys = sorted(
     k
     for k in set(a) | set(b)
-    if k.startswith(within) and a.get(k, "<absent>") != b.get(k, "<absent>")
+    if k.startswith(within) and k not in ignore and a.get(k, "<absent>") != b.get(k, "<absent>")
   )
   return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys[:limit]]
 

@@ -345,7 +345,6 @@ def merge_lora(cfg, params: nnx.State) -> tuple[ml_collections.ConfigDict, nnx.S
 def read_hf(src: str, *, param_dtype: str = "float32"):
   """The model config and params of an HF directory, and what was read: its config.json and
   the tensors dropped (IGNORED)."""
-  src = fetch(src)
   hf = read_hf_config(src)
   mod = params_module(family_of(hf["model_type"]))
   tensors = SafeTensors(src)

@@ -19,6 +19,7 @@ from flax import nnx
 
 from common import parallel
 from common.errors import UserError
+from common.linear import Linear
 
 
 class LoRAParam(nnx.Param):
@@ -36,7 +37,8 @@ def config(
   )
 
 
-def _patterns(value: str) -> list[str]:
+def patterns(value: str) -> list[str]:
+  """A config's comma-separated patterns (`model.lora.targets`, `init_reinit`...) as a list."""
   return [p.strip() for p in value.split(",") if p.strip()]
 
 
@@ -67,8 +69,6 @@ class LoRA(nnx.Module):
 
 
 def _linears(model: nnx.Module):
-  from common.linear import Linear
-
   for path, node in nnx.iter_graph(model):
     if isinstance(node, Linear):
       yield ".".join(map(str, path)), node
@@ -80,9 +80,9 @@ def apply(model: nnx.Module, cfg, *, seed: int = 0) -> nnx.Module:
     return model
   if cfg.rank < 0:
     raise UserError(f"model.lora.rank={cfg.rank} must be positive (0: no LoRA).")
-  patterns = _patterns(cfg.targets)
+  targets = patterns(cfg.targets)
   linears = dict(_linears(model))
-  chosen = {path: lin for path, lin in linears.items() if matches(path, patterns)}
+  chosen = {path: lin for path, lin in linears.items() if matches(path, targets)}
   if not chosen:
     names = sorted({p.split(".", 2)[-1] if p.startswith("blocks.") else p for p in linears})
     raise UserError(
@@ -110,11 +110,11 @@ def trainable(cfg):
   lora = cfg.get("lora")
   if lora is None or not lora.rank:
     return nnx.Param
-  patterns = _patterns(lora.train)
+  also = patterns(lora.train)
 
   def is_trained(path, x):
     return isinstance(x, LoRAParam) or (
-      isinstance(x, nnx.Param) and matches(".".join(map(str, path)), patterns)
+      isinstance(x, nnx.Param) and matches(".".join(map(str, path)), also)
     )
 
   return is_trained
@@ -123,7 +123,7 @@ def trainable(cfg):
 def merge(model: nnx.Module) -> nnx.Module:
   """Folds each adapter into its base kernel (W += A @ B * scale) and removes it, in place."""
   for _, lin in _linears(model):
-    if getattr(lin, "lora", None) is not None:
+    if lin.lora is not None:
       delta = (lin.lora.a[...] @ lin.lora.b[...]) * lin.lora.scale
       lin.kernel[...] = (lin.kernel[...] + delta).astype(lin.kernel[...].dtype)
       lin.lora = nnx.data(None)

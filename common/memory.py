@@ -21,7 +21,7 @@ REMAT = {
 
 # Config keys that change how a model is computed, not what it is (nor its parameters): a run
 # resumes, and a checkpoint loads, whatever they were when it was saved (or if it predates them).
-LEVERS = ("model.remat:", "model.scan:")
+LEVERS = ("model.remat", "model.scan")
 
 
 def run_blocks(blocks, x, *, cache=None, remat: str = "none", scan: bool = False, **kwargs):

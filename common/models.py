@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from common import lora
 from common.errors import UserError, suggest
 
 FAMILIES = {"llama": "zoo.llama.model", "gpt2": "zoo.gpt2.model", "bert": "zoo.bert.model"}
@@ -22,8 +23,6 @@ def build(cfg, *, seed: int = 0) -> nnx.Module:
   where `model.lora` asks for them)."""
   model = family_module(cfg.family).Model(cfg, rngs=nnx.Rngs(seed))
   if cfg.get("lora") is not None:
-    from common import lora
-
     lora.apply(model, cfg.lora, seed=seed)
   return model
 

@@ -91,14 +91,20 @@ def loss_sums(model, batch: dict) -> tuple[jax.Array, jax.Array]:
   return jnp.sum(ce_BT * weights_BT), jnp.sum(weights_BT)
 
 
-def classify_sums(model, batch: dict) -> tuple[jax.Array, jax.Array]:
-  """Summed cross-entropy of a classifier over its rows' `labels`, and the number of rows (a
-  row of padding only, segment ids all 0, counts for nothing)."""
+def classify_rows(model, batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A classifier's logits [B, C], cross-entropy [B] against the rows' `labels`, and row weights
+  [B] (a row of padding only, segment ids all 0, counts for nothing)."""
   logits_BC = model.classify(batch["tokens"], attention_mask=batch["segment_ids"])
   weights_B = (batch["segment_ids"] != 0).any(axis=1).astype(jnp.float32)
   ce_B = optax.softmax_cross_entropy_with_integer_labels(
     logits_BC.astype(jnp.float32), batch["labels"]
   )
+  return logits_BC, ce_B, weights_B
+
+
+def classify_sums(model, batch: dict) -> tuple[jax.Array, jax.Array]:
+  """Summed cross-entropy of a classifier over its rows, and the number of rows."""
+  _, ce_B, weights_B = classify_rows(model, batch)
   return jnp.sum(ce_B * weights_B), jnp.sum(weights_B)
 
 
@@ -196,13 +202,16 @@ def train_step(
 def eval_step(params, batch: dict, *, graphdef) -> dict:
   """Summed loss and count (and, for a classifier, correct predictions) of one batch."""
   model = nnx.merge(graphdef, params)
-  total, count = task_sums(model, batch)
-  sums = {"total": total, "count": count}
-  if "labels" in batch:
-    logits_BC = model.classify(batch["tokens"], attention_mask=batch["segment_ids"])
-    real_B = (batch["segment_ids"] != 0).any(axis=1)
-    sums["correct"] = jnp.sum((jnp.argmax(logits_BC, -1) == batch["labels"]) & real_B)
-  return sums
+  if "labels" not in batch:
+    total, count = loss_sums(model, batch)
+    return {"total": total, "count": count}
+  logits_BC, ce_B, weights_B = classify_rows(model, batch)
+  right_B = (jnp.argmax(logits_BC, -1) == batch["labels"]).astype(jnp.float32)
+  return {
+    "total": jnp.sum(ce_B * weights_B),
+    "count": jnp.sum(weights_B),
+    "correct": jnp.sum(right_B * weights_B),
+  }
 
 
 # Start-up pieces (also used by `zoo eval` and `zoo generate`)
@@ -251,8 +260,7 @@ def restore_params(cfg, workdir: str) -> tuple[nnx.GraphDef, nnx.State, int]:
   try:
     # A checkpoint of another model fails deep in orbax: say which keys differ instead.
     saved = ml_collections.ConfigDict({"model": ckpts.meta(step)["model"]})
-    changed = config_lib.differences(saved, {"model": cfg.model.to_dict()})
-    changed = [c for c in changed if not c.startswith(memory.LEVERS)]
+    changed = config_lib.differences(saved, {"model": cfg.model.to_dict()}, ignore=memory.LEVERS)
     if changed:
       raise UserError(
         f"{workdir} holds a checkpoint of a different model ({'; '.join(changed)}): give the "
@@ -277,8 +285,9 @@ def check_workdir(cfg, workdir: str):
   if os.path.exists(path) and checkpoint.has_steps(workdir):
     with open(path) as f:
       old = config_lib.from_json(f.read())
-    changed = config_lib.differences(old, cfg, within=("model.", "data."))
-    changed = [c for c in changed if not c.startswith(("data.long_records:", *memory.LEVERS))]
+    changed = config_lib.differences(
+      old, cfg, within=("model.", "data."), ignore=("data.long_records", *memory.LEVERS)
+    )
     if changed:
       raise UserError(
         f"{workdir} holds a run of a different model or data ({'; '.join(changed)}). Resuming "
@@ -468,7 +477,7 @@ def load_init_params(cfg, params: nnx.State) -> nnx.State:
       "`zoo convert` output, a Hugging Face directory or hub id (or leave init_from empty)."
     )
   _, loaded = hub.read(path)  # params only: the optimizer starts fresh
-  reinit = [p.strip() for p in cfg.get("init_reinit", "").split(",") if p.strip()]
+  reinit = lora.patterns(cfg.get("init_reinit", ""))
   want = dict(nnx.to_flat_state(params))
   got = dict(nnx.to_flat_state(loaded))
 

@@ -95,7 +95,8 @@ def config_to_hf(cfg, model_type: str | None = None) -> dict:
 def rules(cfg) -> list:
   # A classifier's encoder weights are named as BertForSequenceClassification's: under "bert.".
   head = cfg.get("num_labels", 0)
-  e = f"{PREFIX if head else ''}embeddings"
+  p = PREFIX if head else ""
+  e = f"{p}embeddings"
   r = [
     copy(f"{e}.word_embeddings.weight", "embed.embedding"),
     copy(f"{e}.position_embeddings.weight", "position.embedding"),
@@ -104,11 +105,11 @@ def rules(cfg) -> list:
     copy(f"{e}.LayerNorm.bias", "embed_norm.bias"),
   ]
   if cfg.pooler:
-    r += linear(f"{PREFIX if head else ''}pooler.dense", "pooler", bias=True)
+    r += linear(f"{p}pooler.dense", "pooler", bias=True)
   if head:
     r += linear("classifier", "head", bias=True)
   for i in range(cfg.num_layers):
-    hf, zoo = f"{PREFIX if head else ''}encoder.layer.{i}", f"blocks.{i}"
+    hf, zoo = f"{p}encoder.layer.{i}", f"blocks.{i}"
     for theirs, ours in (("query", "q"), ("key", "k"), ("value", "v")):
       r += linear(f"{hf}.attention.self.{theirs}", f"{zoo}.attn.{ours}", bias=True)
     r += linear(f"{hf}.attention.output.dense", f"{zoo}.attn.o", bias=True)
