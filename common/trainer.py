@@ -18,7 +18,19 @@ import numpy as np
 import optax
 from flax import nnx
 
-from common import checkpoint, data, faults, lora, memory, mesh, models, parallel, paths, tokenizers
+from common import (
+  checkpoint,
+  data,
+  faults,
+  lora,
+  memory,
+  mesh,
+  models,
+  optim,
+  parallel,
+  paths,
+  tokenizers,
+)
 from common import config as config_lib
 from common import loss as losses
 from common.errors import UserError
@@ -56,18 +68,16 @@ def schedule(cfg, steps: int) -> optax.Schedule:
   raise UserError(f"Unknown optim.schedule {cfg.schedule!r}: use cosine, linear or constant.")
 
 
-def optimizer(cfg, steps: int) -> optax.GradientTransformation:
-  """AdamW with global-norm clipping; no weight decay on vectors (norm scales, biases)."""
-  return optax.chain(
-    optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm else optax.identity(),
-    optax.adamw(
-      schedule(cfg, steps),
-      b1=cfg.b1,
-      b2=cfg.b2,
-      eps=cfg.eps,
-      weight_decay=cfg.weight_decay,
-      mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
-    ),
+def optimizer(cfg, steps: int, *, fused: bool = True) -> optax.GradientTransformation:
+  """AdamW with global-norm clipping; no weight decay on vectors (norm scales, biases).
+  `fused` False: the same as optax chains it (common/optim.py says why the trainer does not)."""
+  return (optim.adamw if fused else optim.reference)(
+    schedule(cfg, steps),
+    b1=cfg.b1,
+    b2=cfg.b2,
+    eps=cfg.eps,
+    weight_decay=cfg.weight_decay,
+    clip_norm=cfg.clip_norm,
   )
 
 
@@ -181,20 +191,18 @@ def train_step(
       total, count, grads = sums_and_grads(trained, batch, **kw)
     else:
       total, count, grads = sharded_sums_and_grads(trained, batch, layout=layout, **kw)
+  # The gradients are of the summed loss: the optimizer scales them by 1/count as it reads them
+  # (common/optim.py), so the mean gradient is never stored.
   count = jnp.maximum(count, 1.0)
-  loss, grads = total / count, jax.tree.map(lambda g: g / count, grads)
-  grad_norm = optax.tree.norm(grads)
-
-  def update(trained, opt_state, grads):
-    updates, opt_state = tx.update(grads, opt_state, trained)
-    return optax.apply_updates(trained, updates), opt_state
-
+  loss, grad_norm = total / count, optax.tree.norm(grads) / count
   # A non-finite loss or gradient leaves params and optimizer state as they were (the step still
   # counts); train.nonfinite says, outside the step, whether the run goes on (faults.NonFinite).
-  (trained, opt_state), skipped = faults.update_if_finite(
-    loss, grad_norm, update, trained, state.opt_state, grads
+  ok = faults.finite(loss, grad_norm)
+  updates, opt_state = tx.update(
+    grads, state.opt_state, trained, grad_scale=1 / count, grad_norm=grad_norm, apply=ok
   )
-  params = nnx.merge_state(trained, frozen)
+  params = nnx.merge_state(optax.apply_updates(trained, updates), frozen)
+  skipped = jnp.logical_not(ok).astype(jnp.int32)
   metrics = {"loss": loss, "grad_norm": grad_norm, "targets": count, "skipped": skipped}
   return TrainState(state.step + 1, params, opt_state, state.rng), metrics
 
