@@ -5,13 +5,14 @@
 
 All four start from the same weights (the zoo's initialisation, exported to HF names) and train
 on the same batch (8 x 256 random tokens of the 32k vocab), fp32, AdamW with global-norm
-clipping. After warm-up they run in turn, `--steps` steps each per round, for `--rounds` rounds,
-so load from other processes hits all of them alike; each reports tokens/s at its median step
-time. The framework's overhead is then measured on its own: `--pairs` pairs of one zoo step (on
-the plain loss, as the hand-written step computes it) and one hand-written step, taking turns;
-the median of the pairs' ratios, in wall and in CPU time, with XLA's cost analysis of both.
-MFU is against this machine's fp32 matmul peak, measured here with a big jnp matmul, and counts
-FLOPs as MaxText does: 6 x (matmul params) x tokens plus attention, the causal half only.
+clipping. After warm-up they run in turn, `--steps` steps each per round (each round starting
+one contender later), for `--rounds` rounds, so load from other processes hits all of them
+alike; each reports tokens/s at its median step time. The framework's overhead is then measured
+on its own: `--pairs` pairs of one zoo step (on the plain loss, as the hand-written step
+computes it) and one hand-written step, taking turns; the median of the pairs' ratios, in wall
+and in CPU time, with XLA's cost analysis of both. MFU is against this machine's fp32 matmul
+peak, measured here with a big jnp matmul, and counts FLOPs as MaxText does: 6 x (matmul params)
+x tokens plus attention, the causal half only.
 """
 
 import argparse
@@ -283,8 +284,10 @@ def main():
       f"  warm-up {name:16s} {time.perf_counter() - t:6.1f} s, first loss {first_loss[name]:.5f}"
     )
   times, peaks = {name: [] for name in runners}, []
-  for _ in range(args.rounds):
-    for name, run in runners.items():
+  order = list(runners.items())
+  for r in range(args.rounds):
+    # Each round starts one contender later, so none always follows the same other one.
+    for name, run in order[r % len(order) :] + order[: r % len(order)]:
       run()  # not timed: the first step after another contender's pays for the switch
       for _ in range(args.steps):
         t = time.perf_counter()
