@@ -300,17 +300,15 @@ def main():
   # Wall time, and the CPU time of this process's threads, which other processes on the machine
   # disturb less.
   wall, cpu = [], []
-  contenders = [runners["zoo (chunk 0)"], runners["hand-JAX"]]
+  pair = [("zoo", run_zoo_plain), ("hand", run_hand)]
   for i in range(args.pairs):
-    took = []
-    for run in contenders if i % 2 == 0 else contenders[::-1]:
+    took = {}
+    for name, run in pair if i % 2 == 0 else pair[::-1]:
       t, c = time.perf_counter(), time.process_time()
       run()
-      took.append((time.perf_counter() - t, time.process_time() - c))
-    if i % 2:
-      took.reverse()
-    wall.append(took[0][0] / took[1][0] - 1)
-    cpu.append(took[0][1] / took[1][1] - 1)
+      took[name] = time.perf_counter() - t, time.process_time() - c
+    wall.append(took["zoo"][0] / took["hand"][0] - 1)
+    cpu.append(took["zoo"][1] / took["hand"][1] - 1)
 
   peak = statistics.median(peaks)
   flops = step_flops(cfg, B, T)
