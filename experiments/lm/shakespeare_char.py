@@ -3,7 +3,7 @@
 Command:   zoo run lm/shakespeare-char --workdir runs/shakespeare
 Hardware:  a 2-core CPU (no accelerator needed).
 Time:      8-10 min of training on 2 CPU cores (6,500-8,700 tokens/s as the shared machine's
-           load varies; 479-620 s for the whole command).
+           load varies); README's first command, install included, 9-11 min.
 Expected:  held-out loss 1.58 nats per character at step 900 (1.74 at step 450), on Hamlet,
            Twelfth Night and Henry V, which training never sees.
 Sample:    zoo generate --workdir runs/shakespeare --prompt "ROMEO:"
