@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import attention
+from common.nn import attention
 from kernels import flash_attention as fa
 
 B, N, K, H = 1, 8, 2, 64

@@ -21,7 +21,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from common import experiments, models, parallel, trainer  # noqa: E402
+from common import experiments, models, parallel  # noqa: E402
+from common.train import trainer
 from zoo.llama import model as llama  # noqa: E402
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}

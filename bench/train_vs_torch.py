@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import experiments, hub, models, trainer
+from common import experiments, hub, models
+from common.hub import hf
+from common.train import trainer
 
 EXP = "bench/llama-19m"
 
@@ -144,7 +146,7 @@ def torch_model(cfg, state):
   hf_config = transformers.LlamaConfig(**mod.config_to_hf(cfg.model, "llama"))
   hf_config._attn_implementation = "sdpa"
   model = transformers.LlamaForCausalLM(hf_config).float()
-  weights = hub.to_hf(cfg.model, mod, state.params)
+  weights = hf.to_hf(cfg.model, mod, state.params)
   missing, unexpected = model.load_state_dict(
     {k: torch.from_numpy(np.array(v)) for k, v in weights.items()}, strict=False
   )

@@ -101,7 +101,8 @@ def cmd_list(_args, _overrides):
 
 
 def cmd_show(args, overrides):
-  from common import experiments, lora, models
+  from common import experiments, models
+  from common.nn import lora
 
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
   print(cfg)
@@ -113,7 +114,8 @@ def cmd_show(args, overrides):
 
 
 def cmd_run(args, overrides):
-  from common import distributed, experiments, trainer
+  from common import distributed, experiments
+  from common.train import trainer
 
   distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
@@ -122,12 +124,14 @@ def cmd_run(args, overrides):
 
 
 def cmd_eval(args, overrides):
-  from common import data, distributed, experiments, tokenizers, trainer
+  from common import distributed, experiments
+  from common.data import pipeline, tokenizers
+  from common.train import trainer
 
   distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
   graphdef, params, step = trainer.restore_params(cfg, args.workdir)
-  rows = data.load_split(cfg.data, "eval", tokenizers.load(cfg.data.tokenizer))
+  rows = pipeline.load_split(cfg.data, "eval", tokenizers.load(cfg.data.tokenizer))
   if rows is None:
     raise UserError(f"{args.exp} has no held-out split: set data.eval_files.")
   result = trainer.evaluate(params, rows, graphdef=graphdef, cfg=cfg)
@@ -141,7 +145,9 @@ def cmd_generate(args, _overrides):
   import jax
 
   from common import config as config_lib
-  from common import models, sampling, tokenizers, trainer
+  from common import models, sampling
+  from common.data import tokenizers
+  from common.train import trainer
 
   path = os.path.join(args.workdir, "config.json")
   if not os.path.exists(path):

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from common import lora
 from common.errors import UserError, suggest
+from common.nn import lora
 
 FAMILIES = {"llama": "zoo.llama.model", "gpt2": "zoo.gpt2.model", "bert": "zoo.bert.model"}
 

@@ -18,7 +18,8 @@ import pytest
 from flax import nnx
 
 from common import config as config_lib
-from common import experiments, models, modifiers, trainer
+from common import experiments, models, modifiers
+from common.train import trainer
 from experiments import DEFAULT, REGISTRY
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ Data:      Shakespeare as UTF-8 bytes. The speed of a step does not depend on wh
 
 import ml_collections
 
-from common import data, tokenizers
+from common.data import pipeline, tokenizers
 from zoo.llama import model as llama
 
 # The Hugging Face config this experiment's model equals (tests/experiments/test_llama_19m.py),
@@ -34,7 +34,7 @@ def get_config(arg=None):
   c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "embed.*,lm_head.*")
 
   # Data: Shakespeare bytes, rows of 256 tokens (see the docstring for why bytes).
-  c.data = data.config(
+  c.data = pipeline.config(
       kind="shakespeare",
       eval_plays="hamlet,twelfth_night,henry_v",
       tokenizer=tokenizers.config("bytes"),

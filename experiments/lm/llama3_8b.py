@@ -11,7 +11,7 @@ Data:      text files (one document each) or .jsonl files (field `text`), comma-
 
 import ml_collections
 
-from common import data, tokenizers
+from common.data import pipeline, tokenizers
 from zoo.llama import model as llama
 
 
@@ -22,7 +22,7 @@ def get_config(arg=None):
   c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "embed.*,lm_head.*")
 
   # Data: your corpus, in the model's own tokenizer (Llama 3's tokenizer.json, kind hf).
-  c.data = data.config(
+  c.data = pipeline.config(
       kind="files",
       train_files="",
       eval_files="",

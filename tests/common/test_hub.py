@@ -18,8 +18,10 @@ import transformers
 from flax import nnx
 from safetensors.torch import load_file, save_file
 
-from common import cli, experiments, hub, trainer
+from common import cli, experiments, hub
 from common.errors import UserError
+from common.hub import weights
+from common.train import trainer
 
 # fp32 on both sides; measured max |diff| is about 1e-5 on logits of magnitude ~5 (see the
 # printed values with -s), so 1e-4 leaves room for other BLAS builds and nothing more.
@@ -566,7 +568,8 @@ def test_fine_tune_from_an_hf_dir_trains_the_classifier(tmp_path):
 
 @pytest.mark.parametrize("family,name", [("gpt2", "GPT-2"), ("bert", "BERT")])
 def test_export_refuses_settings_the_hf_class_lacks(family, name):
-  from common import models, position
+  from common import models
+  from common.nn import position
 
   mod = hub.params_module(family)
   cfg = models.family_module(family).config("tiny")
@@ -600,7 +603,7 @@ def test_a_hub_id_is_fetched_then_converted(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   hub.convert_hf("tiny-org/tiny-llama", str(tmp_path / "zoo"))
   assert asked[0][0] == "tiny-org/tiny-llama" and "*.safetensors" in asked[0][1]
-  assert hub.is_zoo_checkpoint(str(tmp_path / "zoo"))
+  assert weights.is_zoo_checkpoint(str(tmp_path / "zoo"))
   with pytest.raises(UserError, match="fetching it from the Hugging Face hub failed.*no network"):
     hub.convert_hf("other-org/missing", str(tmp_path / "zoo2"))
   assert not os.path.exists(tmp_path / "zoo2")

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import mlp, norms
 from common.errors import UserError
-from common.linear import Embedding, Linear
+from common.nn import mlp, norms
+from common.nn.linear import Embedding, Linear
 
 
 def randn(seed, shape, scale=1.0):

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import experiments, hub, lora, models, trainer
+from common import experiments, hub, models
 from common.errors import UserError
+from common.nn import lora
+from common.train import trainer
 from zoo.bert import model as bert
 from zoo.llama import model as llama
 

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import loss, models, trainer
+from common import models
+from common.train import losses as loss
+from common.train import trainer
 from zoo.llama import model as llama
 
 

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import lora, models, sampling, trainer
+from common import models, sampling
 from common.errors import UserError
+from common.nn import lora
+from common.train import trainer
 from zoo.bert import model as bert
 from zoo.gpt2 import model as gpt2
 from zoo.llama import model as llama

@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from common import tokenizers
+from common.data import tokenizers
 from common.errors import UserError
 
 TEXT = "Hello world: héllo, naïve café, 世界 🙂\nSecond line."

@@ -14,8 +14,11 @@ import optax
 import pytest
 from flax import nnx
 
-from common import checkpoint, data, experiments, models, trainer
+from common import experiments, models
+from common.data import pipeline
 from common.errors import UserError
+from common.hub import checkpoint
+from common.train import trainer
 from zoo.llama import model as llama
 
 SMOKE = "lm/shakespeare-char:smoke"
@@ -267,10 +270,10 @@ def test_checkpoints_keep_last_n_with_data_state_and_meta(reference):
 def test_checkpoint_holds_the_data_iterator_state(reference):
   """Restoring the step-6 data state gives the batch the run would have seen at step 7."""
   cfg = smoke_config()
-  rows = data.load_split(cfg.data, "train")
-  fresh = data.train_iterator(rows, batch_size=cfg.train.batch_size, seed=cfg.seed)
+  rows = pipeline.load_split(cfg.data, "train")
+  fresh = pipeline.train_iterator(rows, batch_size=cfg.train.batch_size, seed=cfg.seed)
   want = [next(fresh) for _ in range(7)][-1]
-  restored = data.train_iterator(rows, batch_size=cfg.train.batch_size, seed=cfg.seed)
+  restored = pipeline.train_iterator(rows, batch_size=cfg.train.batch_size, seed=cfg.seed)
   ckpts, step = checkpoint.open_latest(reference)
   try:
     tx = trainer.optimizer(cfg.optim, cfg.train.steps)
@@ -294,8 +297,8 @@ def test_init_from_loads_the_source_params(reference, tmp_path):
   # The first step of a run with init_from starts from those params: its loss is theirs.
   workdir = str(tmp_path / "finetune")
   trainer.train(cfg, workdir, progress=False)
-  rows = data.load_split(cfg.data, "train")
-  batch = next(data.train_iterator(rows, batch_size=cfg.train.batch_size, seed=cfg.seed))
+  rows = pipeline.load_split(cfg.data, "train")
+  batch = next(pipeline.train_iterator(rows, batch_size=cfg.train.batch_size, seed=cfg.seed))
   loss = jax.jit(lambda p, b: trainer.loss_sums(nnx.merge(graphdef, p), b))
   total, count = loss(source, batch)
   fresh_total, _ = loss(fresh.params, batch)

@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import checkpoint, experiments, trainer
+from common import experiments
+from common.hub import checkpoint
+from common.train import trainer
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,8 @@ WORKER = """
 import json, sys
 import jax, numpy as np
 from flax import nnx
-from common import experiments, loss, parallel, trainer
+from common import experiments, parallel
+from common.train import losses as loss, trainer
 
 cfg = experiments.get_config("lm/shakespeare-char:smoke", {"train.batch_size": "8"})
 cfg.model.tie_embeddings = sys.argv[1] == "tied"

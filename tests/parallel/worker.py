@@ -11,7 +11,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from common import experiments, lora, models, parallel, trainer  # noqa: E402
+from common import experiments, models, parallel  # noqa: E402
+from common.nn import lora
+from common.train import trainer
 
 MESHES = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 4, 2), (1, 1, 2)]
 

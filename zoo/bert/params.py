@@ -7,7 +7,7 @@ A torch Linear weight is [out, in], our kernel [in, out]: transposed. q/k/v/o st
 import ml_collections
 
 from common.errors import UserError
-from common.hub import copy, linear, plain_transformer_activation
+from common.hub.keymap import copy, linear, plain_transformer_activation
 from zoo.bert import model as bert
 
 MODEL_TYPES = ("bert",)

@@ -7,7 +7,7 @@ they are. c_attn fuses q, k and v along its output dim: split in three (concaten
 import ml_collections
 
 from common.errors import UserError
-from common.hub import copy, plain_transformer_activation, split, transpose
+from common.hub.keymap import copy, plain_transformer_activation, split, transpose
 from zoo.gpt2 import model as gpt2
 
 MODEL_TYPES = ("gpt2",)

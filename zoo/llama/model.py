@@ -9,10 +9,10 @@ import math
 import ml_collections
 from flax import nnx
 
-from common import attention, lora, memory, mlp, norms, position
 from common.errors import UserError, suggest
-from common.linear import Embedding, Linear
 from common.models import dtypes
+from common.nn import attention, lora, memory, mlp, norms, position
+from common.nn.linear import Embedding, Linear
 
 # Published dimensions (each model's config.json on the Hugging Face hub).
 # fmt: off

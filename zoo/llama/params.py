@@ -7,7 +7,7 @@ A torch Linear weight is [out, in], our kernel [in, out]: transposed. q/k/v/o st
 import ml_collections
 
 from common.errors import UserError
-from common.hub import copy, linear, transpose
+from common.hub.keymap import copy, linear, transpose
 from zoo.llama import model as llama
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import modifiers, position, sampling
+from common import modifiers, sampling
 from common.models import build
+from common.nn import position
 from zoo.llama import model as llama
 
 V = 256  # the tiny preset's vocabulary

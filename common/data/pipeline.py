@@ -19,7 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from common import tokenizers
+from common.data import tokenizers
 from common.errors import UserError, suggest
 
 # Documents

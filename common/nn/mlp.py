@@ -6,7 +6,7 @@ import ml_collections
 from flax import nnx
 
 from common.errors import UserError
-from common.linear import Linear
+from common.nn.linear import Linear
 
 ACTIVATIONS = {
   "swiglu": jax.nn.silu,

@@ -7,8 +7,8 @@ import os
 import ml_collections
 import numpy as np
 
-from common import paths
 from common.errors import UserError
+from common.hub import paths
 
 KINDS = ("bytes", "hf", "gpt2", "sentencepiece")
 

@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from common import norms, parallel
+from common import parallel
 from common.errors import UserError
-from common.linear import Linear
-from common.position import Position
+from common.nn import norms
+from common.nn.linear import Linear
+from common.nn.position import Position
 from kernels import flash_attention
 
 MASKS = ("causal", "bidirectional")

@@ -19,7 +19,7 @@ from flax import nnx
 
 from common import parallel
 from common.errors import UserError
-from common.linear import Linear
+from common.nn.linear import Linear
 
 
 class LoRAParam(nnx.Param):

@@ -18,22 +18,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from common import (
-  checkpoint,
-  data,
-  faults,
-  lora,
-  memory,
-  mesh,
-  models,
-  optim,
-  parallel,
-  paths,
-  tokenizers,
-)
 from common import config as config_lib
-from common import loss as losses
+from common import mesh, models, parallel
+from common.data import pipeline, tokenizers
 from common.errors import UserError
+from common.hub import checkpoint, paths
+from common.nn import lora, memory
+from common.train import faults, losses, optim
 
 # State and step functions
 
@@ -339,7 +330,7 @@ def evaluate(params, eval_rows, *, graphdef, cfg, layout: parallel.Layout | None
   Runs as plain jit over the global (sharded) arrays: XLA partitions it, no shard_map needed."""
   step = jax.jit(functools.partial(eval_step, graphdef=graphdef))
   sums = {}
-  for batch in data.eval_batches(
+  for batch in pipeline.eval_batches(
     eval_rows, batch_size=cfg.train.batch_size, max_batches=cfg.train.eval_batches
   ):
     for k, v in step(params, put_batch(batch, layout)).items():
@@ -372,9 +363,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
       f"The tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
       f"{cfg.model.vocab_size}: set --config.model.vocab_size={tokenizer.vocab_size} or more."
     )
-  train_rows = data.load_split(cfg.data, "train", tokenizer)
-  eval_rows = data.load_split(cfg.data, "eval", tokenizer)
-  data_iter = data.train_iterator(train_rows, batch_size=cfg.train.batch_size, seed=cfg.seed)
+  train_rows = pipeline.load_split(cfg.data, "train", tokenizer)
+  eval_rows = pipeline.load_split(cfg.data, "eval", tokenizer)
+  data_iter = pipeline.train_iterator(train_rows, batch_size=cfg.train.batch_size, seed=cfg.seed)
 
   # Model, optimizer, checkpoint
   tx = optimizer(cfg.optim, cfg.train.steps)

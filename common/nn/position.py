@@ -16,7 +16,7 @@ from flax import nnx
 
 from common import parallel
 from common.errors import UserError
-from common.linear import normal
+from common.nn.linear import normal
 
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 

@@ -17,7 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from common.errors import UserError
-from common.faults import warn
+from common.train.faults import warn
 
 
 def directory(workdir: str) -> str:

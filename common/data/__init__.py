@@ -1,0 +1,1 @@
+"""Data: grain pipelines, tokenizers and the Shakespeare corpus."""

@@ -1,0 +1,199 @@
+"""Zoo checkpoints and Hugging Face directories: `load` a model from either, `convert_hf` an HF
+directory into a zoo checkpoint, `export_hf` a zoo checkpoint into an HF directory. Nothing is
+written on bad input.
+"""
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from common import config as config_lib
+from common import models
+from common.data import tokenizers as tokenizers_lib
+from common.errors import UserError
+from common.hub import checkpoint
+from common.hub.hf import NOT_KEPT, TOKENIZER_FILES, fetch, params_module, read_hf, to_hf
+from common.nn import lora
+
+
+def is_zoo_checkpoint(path: str) -> bool:
+  return os.path.isdir(checkpoint.directory(path))
+
+
+def read_zoo(path: str) -> tuple[ml_collections.ConfigDict, nnx.State, dict]:
+  """The model config, params and `meta` of the latest checkpoint of a zoo run or conversion
+  (a LoRA run's adapters merged into the base weights)."""
+  ckpts, step = checkpoint.open_latest(path)
+  try:
+    meta = ckpts.meta(step)
+    cfg = ml_collections.ConfigDict(meta["model"])
+    abstract = nnx.state(models.abstract(cfg), nnx.Param)
+    params = ckpts.restore_latest({"params": abstract})["params"]  # the newest undamaged step
+  finally:
+    ckpts.close()
+  if cfg.get("lora") is not None and cfg.lora.rank:
+    cfg, params = merge_lora(cfg, params)
+  return cfg, params, meta
+
+
+def merge_lora(cfg, params: nnx.State) -> tuple[ml_collections.ConfigDict, nnx.State]:
+  """The config without adapters and the params with each adapter folded into its kernel."""
+  model = nnx.merge(nnx.graphdef(models.abstract(cfg)), jax.tree.map(jnp.asarray, params))
+  lora.merge(model)
+  cfg = ml_collections.ConfigDict(cfg.to_dict())
+  cfg.lora.rank = 0
+  return cfg, nnx.state(model, nnx.Param)
+
+
+def read(path: str) -> tuple[ml_collections.ConfigDict, nnx.State]:
+  """The model config and params at `path`: a zoo checkpoint (a `zoo run` workdir or the output
+  of `zoo convert`) or a Hugging Face directory."""
+  path = fetch(path)
+  if not os.path.exists(path):
+    raise UserError(f"{path!r} does not exist: give a zoo checkpoint or a Hugging Face directory.")
+  if is_zoo_checkpoint(path):
+    cfg, params, _ = read_zoo(path)
+  else:
+    cfg, params, _ = read_hf(path)
+  return cfg, params
+
+
+def load(path: str) -> nnx.Module:
+  """The NNX model with weights from a zoo checkpoint or a Hugging Face directory. A decoder is
+  called as `model(tokens)` -> logits [B, T, V]; BERT as `model(tokens, attention_mask=mask)`
+  -> hidden states [B, T, D]."""
+  cfg, params = read(path)
+  graphdef = nnx.graphdef(models.abstract(cfg))
+  return nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
+
+
+# Writing
+
+
+def _check_out(out: str):
+  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    raise UserError(f"{out} exists and is not empty: give a new --out directory.")
+
+
+def _write_atomically(out: str, write: Callable[[str], None]):
+  """Runs `write(tmp)` on a temporary directory next to `out`, then renames it to `out`, so a
+  failure leaves nothing behind."""
+  out = os.path.abspath(out)
+  parent = os.path.dirname(out)
+  os.makedirs(parent, exist_ok=True)
+  tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{os.getpid()}")
+  shutil.rmtree(tmp, ignore_errors=True)
+  try:
+    write(tmp)
+    if os.path.isdir(out):
+      os.rmdir(out)  # empty: checked before
+    os.rename(tmp, out)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tokenizer_config(out: str, files: list[str]) -> ml_collections.ConfigDict:
+  """The data.tokenizer config that loads the tokenizer files copied into `out`."""
+  if "tokenizer.json" in files:
+    return tokenizers_lib.config("hf", os.path.join(out, "tokenizer.json"))
+  if "vocab.json" in files and "merges.txt" in files:
+    return tokenizers_lib.config("gpt2", out)
+  if "tokenizer.model" in files:
+    return tokenizers_lib.config("sentencepiece", os.path.join(out, "tokenizer.model"))
+  return tokenizers_lib.config("hf", "")
+
+
+def convert_hf(src: str, out: str, *, param_dtype: str = "float32") -> dict:
+  """Writes the HF directory `src` as a zoo checkpoint at `out`: the layout of a `zoo run`
+  workdir (config.json with `model` and `data.tokenizer`, checkpoints/0 with the params and the
+  model config), and the tokenizer files, so `zoo generate --workdir OUT` and
+  `--config.init_from=OUT` work on it. Returns a summary."""
+  _check_out(out)
+  if param_dtype not in ("float32", "bfloat16", "float16"):
+    raise UserError(f"--param-dtype {param_dtype!r}: use float32, bfloat16 or float16.")
+  src = fetch(src)
+  cfg, params, info = read_hf(src, param_dtype=param_dtype)
+  out = os.path.abspath(out)
+  files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
+  tokenizer = _tokenizer_config(out, files)
+  source = {"hf": os.path.abspath(src), "config": info["config"]}
+  run_config = ml_collections.ConfigDict(
+    {"model": cfg.to_dict(), "data": {"tokenizer": tokenizer.to_dict()}, "source": source}
+  )
+  meta = {
+    "family": cfg.family,
+    "model": cfg.to_dict(),
+    "data": run_config.data.to_dict(),
+    "source": source,
+  }
+
+  def write(tmp):
+    os.makedirs(tmp)
+    for f in files:
+      shutil.copy(os.path.join(src, f), os.path.join(tmp, f))
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      f.write(config_lib.to_json(run_config))
+    ckpts = checkpoint.Checkpoints(tmp, keep=1)
+    try:
+      state = {"params": params, "step": jnp.zeros((), jnp.int32)}
+      ckpts.save(0, state, meta=meta, force=True)
+      ckpts.wait()
+    finally:
+      ckpts.close()
+
+  _write_atomically(out, write)
+  return {
+    "out": out,
+    "family": cfg.family,
+    "params": int(sum(x.size for x in jax.tree.leaves(params))),
+    "tokenizer": tokenizer.kind if tokenizer.path else "none",
+    "skipped": info["skipped"],
+  }
+
+
+def export_hf(workdir: str, out: str) -> dict:
+  """Writes the latest checkpoint in `workdir` (a `zoo run` workdir or a `zoo convert` output)
+  as an HF directory: model.safetensors, config.json and the tokenizer files it has."""
+  from safetensors.flax import save_file
+
+  _check_out(out)
+  if not os.path.isdir(workdir):
+    raise UserError(f"{workdir!r} is not a directory: give the --workdir of a `zoo run`.")
+  cfg, params, meta = read_zoo(workdir)
+  mod = params_module(cfg.family)
+  base = meta.get("source", {}).get("config", {})
+  hf_config = mod.config_to_hf(cfg, base.get("model_type"))
+  if base.get("model_type") == hf_config["model_type"]:
+    # A conversion's own config.json gives what the zoo does not model (token ids, maximum
+    # length...); ours overrides the rest.
+    kept = {k: v for k, v in base.items() if k not in NOT_KEPT}
+    hf_config = {**kept, **hf_config}
+  tensors = to_hf(cfg, mod, params)
+  files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(workdir, f))]
+  tok = meta.get("data", {}).get("tokenizer", {})
+  tok_json = tok.get("path", "") if tok.get("kind") == "hf" and not files else ""
+
+  def write(tmp):
+    os.makedirs(tmp)
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(hf_config, f, indent=2, sort_keys=True)
+    for f in files:
+      shutil.copy(os.path.join(workdir, f), os.path.join(tmp, f))
+    if tok_json and os.path.isfile(tok_json):
+      shutil.copy(tok_json, os.path.join(tmp, "tokenizer.json"))
+
+  _write_atomically(out, write)
+  return {
+    "out": os.path.abspath(out),
+    "architecture": hf_config["architectures"][0],
+    "tensors": len(tensors),
+    "params": int(sum(np.prod(t.shape) for t in tensors.values())),
+  }

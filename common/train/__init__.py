@@ -1,0 +1,1 @@
+"""Training: the trainer loop, its step, optimizer, losses, faults and metrics."""
