@@ -22,7 +22,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from common import experiments, models, parallel  # noqa: E402
-from common.train import trainer
+from common.train import optim
+from common.train import step as steps
 from zoo.llama import model as llama  # noqa: E402
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}
@@ -84,9 +85,9 @@ def gathered_before_compute(hlo: str) -> int:
 
 
 def compile_step(cfg, layout):
-  tx = trainer.optimizer(cfg.optim, cfg.train.steps)
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(cfg.model)))
-  abstract, shardings = trainer.placed_abstract_state(cfg, tx, layout)
+  abstract, shardings = steps.placed_abstract_state(cfg, tx, layout)
   B, T = cfg.train.batch_size, cfg.data.seq_len + 1
   batch_sharding = parallel.NamedSharding(layout.mesh, layout.batch_spec)
   batch = {
@@ -94,7 +95,7 @@ def compile_step(cfg, layout):
     for k in ("tokens", "segment_ids")
   }
   step = jax.jit(
-    functools.partial(trainer.train_step, graphdef=graphdef, tx=tx, layout=layout),
+    functools.partial(steps.train_step, graphdef=graphdef, tx=tx, layout=layout),
     donate_argnums=0,
     out_shardings=(shardings, None),
   )

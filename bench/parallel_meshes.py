@@ -20,21 +20,21 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import experiments, parallel  # noqa: E402
-from common.train import trainer
+from common.train import optim
 
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2), (1, 1, 2)]
 
 
 def measure(cfg, sizes, steps):
-  tx = trainer.optimizer(cfg.optim, cfg.train.steps)
-  graphdef, state = trainer.init_state(cfg, tx)
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  graphdef, state = steps.init_state(cfg, tx)
   n = int(np.prod(sizes))
   layout = None
   if n > 1:
     layout = parallel.make_layout(
       dict(zip(("data", "fsdp", "tensor"), sizes, strict=True)), jax.devices()[:n]
     )
-  _, shardings = trainer.placed_abstract_state(cfg, tx, layout)
+  _, shardings = steps.placed_abstract_state(cfg, tx, layout)
   state = jax.device_put(state, shardings)
   rng = np.random.default_rng(0)
   B, T = cfg.train.batch_size, cfg.data.seq_len + 1
@@ -42,9 +42,9 @@ def measure(cfg, sizes, steps):
     "tokens": rng.integers(0, cfg.model.vocab_size, (B, T)).astype(np.int32),
     "segment_ids": np.ones((B, T), np.int32),
   }
-  batch = trainer.put_batch(batch, layout)
+  batch = steps.put_batch(batch, layout)
   step = jax.jit(
-    functools.partial(trainer.train_step, graphdef=graphdef, tx=tx, layout=layout),
+    functools.partial(steps.train_step, graphdef=graphdef, tx=tx, layout=layout),
     donate_argnums=0,
     out_shardings=(shardings, None),
   )

@@ -31,7 +31,8 @@ import numpy as np
 
 from common import experiments, hub, models
 from common.hub import hf
-from common.train import trainer
+from common.train import optim
+from common.train import step as steps
 
 EXP = "bench/llama-19m"
 
@@ -40,10 +41,10 @@ EXP = "bench/llama-19m"
 
 
 def zoo_step(cfg, loss_chunk: int):
-  tx = trainer.optimizer(cfg.optim, cfg.train.steps)
-  graphdef, state = trainer.init_state(cfg, tx)
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  graphdef, state = steps.init_state(cfg, tx)
   step = functools.partial(
-    trainer.train_step, graphdef=graphdef, tx=tx, loss_chunk=loss_chunk
+    steps.train_step, graphdef=graphdef, tx=tx, loss_chunk=loss_chunk
   )  # as trainer.train builds it for one device
   step = jax.jit(step, donate_argnums=0)
   return state, step

@@ -126,16 +126,17 @@ def cmd_run(args, overrides):
 def cmd_eval(args, overrides):
   from common import distributed, experiments
   from common.data import pipeline, tokenizers
-  from common.train import trainer
+  from common.hub import weights
+  from common.train import metrics, trainer
 
   distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
-  graphdef, params, step = trainer.restore_params(cfg, args.workdir)
+  graphdef, params, step = weights.restore_params(cfg, args.workdir)
   rows = pipeline.load_split(cfg.data, "eval", tokenizers.load(cfg.data.tokenizer))
   if rows is None:
     raise UserError(f"{args.exp} has no held-out split: set data.eval_files.")
   result = trainer.evaluate(params, rows, graphdef=graphdef, cfg=cfg)
-  log = trainer.MetricsLog(args.workdir)
+  log = metrics.MetricsLog(args.workdir)
   log.write(step, result, split="eval")
   log.close()
   print(json.dumps({"step": step, "split": "eval", **result}))
@@ -147,7 +148,7 @@ def cmd_generate(args, _overrides):
   from common import config as config_lib
   from common import models, sampling
   from common.data import tokenizers
-  from common.train import trainer
+  from common.hub import weights
 
   path = os.path.join(args.workdir, "config.json")
   if not os.path.exists(path):
@@ -156,7 +157,7 @@ def cmd_generate(args, _overrides):
     cfg = config_lib.from_json(f.read())
   if not hasattr(models.family_module(cfg.model.family).Model, "init_cache"):
     raise UserError(f"{cfg.model.family} is an encoder: `zoo generate` needs a decoder.")
-  graphdef, params, _ = trainer.restore_params(cfg, args.workdir)
+  graphdef, params, _ = weights.restore_params(cfg, args.workdir)
   tokenizer = tokenizers.load(cfg.data.tokenizer)
   prompt = tokenizer.encode(args.prompt)
   if len(prompt) == 0:

@@ -10,6 +10,7 @@ import ml_collections
 from common import config as config_lib
 from common import mesh
 from common.errors import UserError, suggest
+from common.train import settings
 from experiments import REGISTRY
 
 # Keys every experiment has, so an override means the same thing everywhere (DESIGN.md).
@@ -65,6 +66,7 @@ def get_config(
   if arg is not None and arg not in args:
     raise UserError(f"{name} takes no argument {arg!r}.{suggest(arg, args)} It takes: {args}.")
   cfg = module.get_config(arg) if arg is not None else module.get_config()
+  settings.complete(cfg)  # every trainer key, whatever the file sets
   missing = [k for k in COMMON_KEYS if k not in config_lib.flatten(cfg)]
   if missing:
     raise UserError(f"Experiment {name} lacks the common keys {missing} (see DESIGN.md).")

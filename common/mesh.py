@@ -2,6 +2,8 @@
 
 import math
 
+import ml_collections
+
 from common.errors import UserError
 
 AXES = ("data", "fsdp", "tensor")
@@ -57,3 +59,11 @@ def pick_rule(rules, hardware: str) -> tuple[str, dict] | None:
     if fnmatch.fnmatchcase(hardware, pattern):
       return pattern, dict(overrides)
   return None
+
+
+def config(**sizes) -> ml_collections.ConfigDict:
+  """The `mesh` config: a size per axis (1 unless given; -1 = the remaining devices)."""
+  unknown = [a for a in sizes if a not in AXES]
+  if unknown:
+    raise UserError(f"mesh has no axis {unknown[0]!r}: its axes are {', '.join(AXES)}.")
+  return ml_collections.ConfigDict({axis: sizes.get(axis, 1) for axis in AXES})

@@ -1,21 +1,37 @@
-"""The family registry: `model.family` in a config names the module that builds the model."""
+"""The family registry: every folder `zoo/<family>/` with a `model.py` is a family (it registers
+itself by existing), and `model.family` in a config names it.
 
+A family's model.py has `config(preset, **overrides)` and `Model` (a class of common/nn, e.g.
+`transformer.Decoder`, or its own composition of the shared layers).
+"""
+
+import functools
 import importlib
+import pkgutil
 
 import jax
-import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 
+import zoo
 from common.errors import UserError, suggest
 from common.nn import lora
 
-FAMILIES = {"llama": "zoo.llama.model", "gpt2": "zoo.gpt2.model", "bert": "zoo.bert.model"}
+
+@functools.cache
+def families() -> dict[str, str]:
+  """family name -> the module that builds it, one for each `zoo/<family>/model.py`."""
+  found = {}
+  for info in pkgutil.iter_modules(zoo.__path__):
+    if info.ispkg and importlib.util.find_spec(f"zoo.{info.name}.model") is not None:
+      found[info.name] = f"zoo.{info.name}.model"
+  return dict(sorted(found.items()))
 
 
 def family_module(name: str):
-  if name not in FAMILIES:
-    raise UserError(f"Unknown model family {name!r}.{suggest(name, FAMILIES)}")
-  return importlib.import_module(FAMILIES[name])
+  if name not in families():
+    raise UserError(f"Unknown model family {name!r}.{suggest(name, families())}")
+  return importlib.import_module(families()[name])
 
 
 def build(cfg, *, seed: int = 0) -> nnx.Module:
@@ -38,6 +54,35 @@ def num_params(cfg, which=nnx.Param) -> int:
   return sum(int(x.size) for x in jax.tree.leaves(state))
 
 
-def dtypes(cfg) -> dict:
-  """The dtype keyword arguments every shared layer takes."""
-  return {"dtype": jnp.dtype(cfg.dtype), "param_dtype": jnp.dtype(cfg.param_dtype)}
+# Model configs saved before a change of the shared layers' configs (a checkpoint's meta, a
+# workdir's config.json) read as the configs of today.
+OLD_MLP_KINDS = ("swiglu", "geglu", "gelu", "gelu_exact", "relu")
+
+
+def upgrade(saved: dict) -> ml_collections.ConfigDict:
+  """A saved model config in today's form, meaning the same model: `mlp.kind` was the
+  activation (now `kind = dense` and `activation`), and keys added since take the family's
+  defaults (which are what their absence meant: e.g. `norm_placement`, `attention.scale`)."""
+  saved = ml_collections.ConfigDict(saved).to_dict()
+  mlp_cfg = saved.get("mlp", {})
+  if mlp_cfg.get("kind") in OLD_MLP_KINDS and "activation" not in mlp_cfg:
+    mlp_cfg["activation"], mlp_cfg["kind"] = mlp_cfg["kind"], "dense"
+  family = saved.get("family")
+  if family in families():
+    _fill(saved, family_module(family).config().to_dict())
+  return ml_collections.ConfigDict(saved)
+
+
+def _fill(saved: dict, defaults: dict):
+  for key, value in defaults.items():
+    if key not in saved:
+      saved[key] = value
+    elif (
+      isinstance(value, dict)
+      and isinstance(saved[key], dict)
+      and key != "layer_kinds"
+      # A sub-config of another kind (RoPE saved where the default is learned) keeps its own
+      # keys: only a sub-config of the same kind is completed.
+      and saved[key].get("kind", value.get("kind")) == value.get("kind")
+    ):
+      _fill(saved[key], value)

@@ -1,7 +1,7 @@
 """Flash attention (FlashAttention-2) in Pallas, forward and backward, and its pure-jnp reference.
 
 Causal or bidirectional, sliding window, segment ids (packed documents), GQA/MQA and logit
-soft-cap, with the masks of `common.attention.make_mask` (query t and key s at positions t and s,
+soft-cap, with the masks of `common.nn.attention.make_mask` (query t and key s at positions t and s,
 both counted from 0). The softmax runs online over key blocks in fp32 and saves only the
 logsumexp per query; the backward recomputes the probabilities from it (FlashAttention-2: one
 kernel for dq, one for dk/dv), so no [T, S] array is ever stored. Key blocks that causality or
@@ -17,7 +17,7 @@ position), then the output is sliced back: any T and S work. Compiled, the kerne
 interpret mode; compiled TPU is not supported (see `flash_attention`).
 
 A query that sees no key at all (its segment absent from the keys, or a window past the end of
-S) outputs zeros, as does the reference below (`common.attention.attend` gives the mean of v).
+S) outputs zeros, as does the reference below (`common.nn.attention.attend` gives the mean of v).
 """
 
 import dataclasses
@@ -359,11 +359,13 @@ def flash_attention(
   q_segment_ids_BT: jax.Array | None = None,
   kv_segment_ids_BS: jax.Array | None = None,
   softcap: float = 0.0,
+  scale: float | None = None,
   block_q: int = 128,
   block_k: int = 128,
   interpret: bool | None = None,
 ) -> jax.Array:
-  """softmax(q k^T / sqrt(H)) v, [B, T, N, H], masked as `common.attention.make_mask`.
+  """softmax(q k^T * scale) v, [B, T, N, H], masked as `common.nn.attention.make_mask`
+  (scale None: 1 / sqrt(H)).
 
   window=0: no sliding window; softcap=0: no soft-cap; segment ids: both or neither (segment 0
   is a segment like any other). interpret=None: Pallas interpret mode on CPU, compiled elsewhere.
@@ -392,7 +394,7 @@ def flash_attention(
     causal=causal,
     window=int(window),
     softcap=float(softcap),
-    scale=1.0 / math.sqrt(H),
+    scale=1.0 / math.sqrt(H) if scale is None else float(scale),
     T=T,
     S=S,
     block_q=bq,
@@ -426,13 +428,14 @@ def reference(
   q_segment_ids_BT: jax.Array | None = None,
   kv_segment_ids_BS: jax.Array | None = None,
   softcap: float = 0.0,
+  scale: float | None = None,
 ) -> jax.Array:
   """The same function in plain jnp: the [B, N, T, S] logits materialised."""
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
   logits = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-  logits = logits / math.sqrt(H)
+  logits = logits * (1.0 / math.sqrt(H) if scale is None else scale)
   if softcap:
     logits = softcap * jnp.tanh(logits / softcap)
   t, s = jnp.arange(T)[:, None], jnp.arange(S)[None, :]

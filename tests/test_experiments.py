@@ -19,7 +19,7 @@ from flax import nnx
 
 from common import config as config_lib
 from common import experiments, models, modifiers
-from common.train import trainer
+from common.train import losses, trainer
 from experiments import DEFAULT, REGISTRY
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -208,7 +208,7 @@ def has_rope(cfg) -> bool:
 
 def loss_and_grads(params, batch, *, graphdef):
   def loss_fn(p):
-    total, count = trainer.loss_sums(nnx.merge(graphdef, p), batch)
+    total, count = losses.loss_sums(nnx.merge(graphdef, p), batch)
     return total / count
 
   return jax.value_and_grad(loss_fn)(params)

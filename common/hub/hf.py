@@ -52,7 +52,7 @@ LEGACY_RENAMES = (
 def params_module(family: str):
   """zoo/<family>/params.py, or a UserError if the family has no HF key map."""
   models.family_module(family)  # an unknown family fails here, with suggestions
-  name = models.FAMILIES[family].rsplit(".", 1)[0] + ".params"
+  name = models.families()[family].rsplit(".", 1)[0] + ".params"
   try:
     return importlib.import_module(name)
   except ModuleNotFoundError:
@@ -62,7 +62,7 @@ def params_module(family: str):
 def family_of(model_type: str) -> str:
   """The zoo family whose params.py reads HF `model_type`."""
   families = {}
-  for family in models.FAMILIES:
+  for family in models.families():
     try:
       families.update({t: family for t in params_module(family).MODEL_TYPES})
     except UserError:  # a family without a key map

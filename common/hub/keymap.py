@@ -1,5 +1,6 @@
 """The vocabulary a family's `params.py` names its Hugging Face weights with: one `Rule` per HF
-tensor (copied, transposed or split into zoo parameters, and back)."""
+tensor (copied, transposed or split into zoo parameters, and back), and the config.json
+translations several families share (RoPE parameters, layer-type patterns)."""
 
 import dataclasses
 from collections.abc import Callable
@@ -49,11 +50,12 @@ def linear(hf: str, zoo: str, *, bias: bool) -> list[Rule]:
 
 def plain_transformer_activation(cfg, activations: dict, name: str) -> str:
   """HF's activation name for a GPT-2 or BERT model (learned positions, LayerNorm, plain
-  multi-head attention, a plain MLP): a UserError for a config HF's class cannot express."""
-  act = {ours: theirs for theirs, ours in reversed(activations.items())}.get(cfg.mlp.kind)
+  multi-head attention, a dense MLP): a UserError for a config HF's class cannot express."""
+  act = {ours: theirs for theirs, ours in reversed(activations.items())}.get(cfg.mlp.activation)
   att = cfg.attention
   if (
     act is None
+    or cfg.mlp.kind != "dense"
     or cfg.position.kind != "learned"
     or cfg.norm.kind != "layer"
     or att.num_kv_heads != att.num_heads
@@ -62,3 +64,81 @@ def plain_transformer_activation(cfg, activations: dict, name: str) -> str:
   ):
     raise UserError(f"This model has settings HF's {name} does not have: export it as its family.")
   return act
+
+
+# Shared translations of config.json fields
+
+
+# HF rope_type -> the scaling fields we read (ours <- HF's).
+ROPE_FIELDS = {
+  "default": {},
+  "linear": {"factor": "factor"},
+  "llama3": {
+    "factor": "factor",
+    "low_freq_factor": "low_freq_factor",
+    "high_freq_factor": "high_freq_factor",
+    "original_max_len": "original_max_position_embeddings",
+  },
+  "yarn": {
+    "factor": "factor",
+    "original_max_len": "original_max_position_embeddings",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+  },
+}
+
+
+def rope_from_hf(hf: dict, params: dict | None = None) -> tuple[float, dict]:
+  """RoPE theta and our scaling config (the kwargs of `position.rope_scaling`) from a
+  config.json's `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x); or
+  from `params`, one layer type's entry of a per-type `rope_parameters` (Gemma 3)."""
+  if params is None:
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  params = dict(params)
+  theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10_000.0
+  kind = params.pop("rope_type", params.pop("type", "default"))
+  if kind not in ROPE_FIELDS:
+    raise UserError(f"RoPE type {kind!r} is not supported: use one of {sorted(ROPE_FIELDS)}.")
+  if kind in ("llama3", "yarn"):
+    params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+  if kind == "yarn" and params.get("factor") is None:
+    params["factor"] = hf["max_position_embeddings"] / params["original_max_position_embeddings"]
+  scaling = {"kind": "none" if kind == "default" else kind}
+  for ours, theirs in ROPE_FIELDS[kind].items():
+    if params.get(theirs) is not None:
+      scaling[ours] = params.pop(theirs)
+  # Fields at their no-op values are fine; any other changes the frequencies.
+  unused = {
+    k: v
+    for k, v in params.items()
+    if v is not None
+    and not (k == "partial_rotary_factor" and v == 1.0)
+    and not (k == "truncate" and v is True)
+  }
+  if unused:
+    raise UserError(f"RoPE fields {unused} ({kind}) are not supported.")
+  return float(theta), scaling
+
+
+def rope_to_hf(position_cfg) -> dict:
+  """`rope_parameters` (rope_type, its scaling fields and rope_theta) of a RoPE position config."""
+  scaling = position_cfg.scaling.to_dict()
+  kind = scaling.pop("kind")
+  rope = {"rope_type": "default" if kind == "none" else kind}
+  for ours, theirs in ROPE_FIELDS[rope["rope_type"]].items():
+    rope[theirs] = scaling[ours]
+  return {"rope_theta": position_cfg.theta, **rope}
+
+
+def require(hf: dict, keys, model_type: str):
+  """A UserError naming the fields a config.json lacks."""
+  missing = [k for k in keys if k not in hf]
+  if missing:
+    raise UserError(f"config.json ({model_type}) lacks {missing}.")
+
+
+def layer_period(types: list) -> int:
+  """The shortest period p with types[i] == types[i % p] for every layer (HF's `layer_types`
+  as a repeating pattern; len(types) if it has none)."""
+  n = len(types)
+  return next(p for p in range(1, n + 1) if all(types[i] == types[i % p] for i in range(n)))

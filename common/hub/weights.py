@@ -18,9 +18,9 @@ from common import config as config_lib
 from common import models
 from common.data import tokenizers as tokenizers_lib
 from common.errors import UserError
-from common.hub import checkpoint
+from common.hub import checkpoint, paths
 from common.hub.hf import NOT_KEPT, TOKENIZER_FILES, fetch, params_module, read_hf, to_hf
-from common.nn import lora
+from common.nn import lora, memory
 
 
 def is_zoo_checkpoint(path: str) -> bool:
@@ -33,7 +33,7 @@ def read_zoo(path: str) -> tuple[ml_collections.ConfigDict, nnx.State, dict]:
   ckpts, step = checkpoint.open_latest(path)
   try:
     meta = ckpts.meta(step)
-    cfg = ml_collections.ConfigDict(meta["model"])
+    cfg = ml_collections.ConfigDict(models.upgrade(meta["model"]))
     abstract = nnx.state(models.abstract(cfg), nnx.Param)
     params = ckpts.restore_latest({"params": abstract})["params"]  # the newest undamaged step
   finally:
@@ -72,6 +72,89 @@ def load(path: str) -> nnx.Module:
   cfg, params = read(path)
   graphdef = nnx.graphdef(models.abstract(cfg))
   return nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
+
+
+# Starting points of a run: its own latest checkpoint, or another run's weights (init_from)
+
+
+def restore_params(cfg, workdir: str) -> tuple[nnx.GraphDef, nnx.State, int]:
+  """The model of experiment config `cfg` with the params of the latest checkpoint in
+  `workdir` (what `zoo eval` and `zoo generate` read), and its step. A model config saved
+  before the shared layers' configs changed (a workdir's config.json) is read as today's."""
+  model_cfg = models.upgrade(cfg.model.to_dict())
+  abstract = models.abstract(model_cfg)
+  graphdef = nnx.graphdef(abstract)
+  ckpts, step = checkpoint.open_latest(workdir)
+  try:
+    # A checkpoint of another model fails deep in orbax: say which keys differ instead.
+    saved = ml_collections.ConfigDict({"model": models.upgrade(ckpts.meta(step)["model"])})
+    changed = config_lib.differences(saved, {"model": model_cfg.to_dict()}, ignore=memory.LEVERS)
+    if changed:
+      raise UserError(
+        f"{workdir} holds a checkpoint of a different model ({'; '.join(changed)}): give the "
+        "experiment (and --config overrides) that trained it."
+      )
+    # Params and step only (whatever optimizer trained it, or none: `zoo convert`), from the
+    # newest undamaged step.
+    wanted = {"params": nnx.state(abstract, nnx.Param), "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    state = ckpts.restore_latest(wanted)
+  finally:
+    ckpts.close()
+  return graphdef, state["params"], int(state["step"])
+
+
+def init_params(cfg, params: nnx.State) -> nnx.State:
+  """`params` (arrays, or abstract ShapeDtypeStructs) with the weights of `init_from` (a zoo
+  run's workdir, a `zoo convert` output or a Hugging Face directory) in their place.
+
+  Every parameter of the model must come from the checkpoint with its shape, except LoRA
+  adapters and what `init_reinit` names (a new head, a resized vocab), which keep their fresh
+  initialisation; every parameter of the checkpoint must be used. All that does not fit is
+  reported in one error.
+  """
+  path = fetch(paths.resolve(cfg.init_from))  # a hub id is downloaded
+  if not os.path.exists(path):
+    raise UserError(
+      f"init_from={path!r} does not exist: give the workdir of an earlier `zoo run`, a "
+      "`zoo convert` output, a Hugging Face directory or hub id (or leave init_from empty)."
+    )
+  _, loaded = read(path)  # params only: the optimizer starts fresh
+  reinit = lora.patterns(cfg.get("init_reinit", ""))
+  want = dict(nnx.to_flat_state(params))
+  got = dict(nnx.to_flat_state(loaded))
+
+  def fresh(key) -> bool:
+    return isinstance(want.get(key), lora.LoRAParam) or lora.matches(_dotted(key), reinit)
+
+  problems = [
+    f"{_dotted(k)}: checkpoint {got[k].shape if k in got else 'missing'} vs model {v.shape}"
+    for k, v in want.items()
+    if not fresh(k) and (k not in got or got[k].shape != v.shape)
+  ]
+  problems += [
+    f"{_dotted(k)}: in the checkpoint, not in the model {got[k].shape}"
+    for k in got
+    if k not in want and not lora.matches(_dotted(k), reinit)
+  ]
+  if problems:
+    raise UserError(
+      f"The checkpoint in {path} does not fit this experiment's model ({len(problems)} "
+      "parameters):\n  "
+      + "\n  ".join(problems[:20])
+      + ("\n  ..." if len(problems) > 20 else "")
+      + "\nUse a checkpoint of the same model config, change the experiment's model, or name "
+      "the parameters to start fresh in init_reinit (e.g. --config.init_reinit='head.*')."
+    )
+  return nnx.from_flat_state(
+    [
+      (k, v if fresh(k) else v.replace(jnp.asarray(got[k][...], v.get_value().dtype)))
+      for k, v in want.items()
+    ]
+  )
+
+
+def _dotted(key: tuple) -> str:
+  return ".".join(map(str, key))
 
 
 # Writing

@@ -43,10 +43,13 @@ def config(
   out_bias: bool = False,
   qk_norm: str = "none",
   softcap: float = 0.0,
+  scale: float = 0.0,
   impl: str = "xla",
 ) -> ml_collections.ConfigDict:
   """An attention sub-config. window=0: no sliding window; softcap=0: no soft-cap;
-  qk_norm: "none", "rms" or "layer" (normalises each head's q and k, as Qwen3)."""
+  qk_norm: "none", "rms" or "layer" (normalises each head's q and k, as Qwen3 and Gemma 3, with
+  the model's norm settings); scale: the logits' factor, 0 meaning head_dim ** -0.5 (Gemma:
+  query_pre_attn_scalar ** -0.5; T5: 1)."""
   return ml_collections.ConfigDict(
     {
       "num_heads": num_heads,
@@ -58,6 +61,7 @@ def config(
       "out_bias": out_bias,
       "qk_norm": qk_norm,
       "softcap": softcap,
+      "scale": scale,
       "impl": impl,
     }
   )
@@ -98,6 +102,17 @@ def make_mask(
   return mask
 
 
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+  """cap * tanh(x / cap): logits squashed into (-cap, cap) (Gemma 2); cap 0 is no cap."""
+  return cap * jnp.tanh(x / cap) if cap else x
+
+
+def logit_scale(cfg) -> float:
+  """The factor of q.k: `cfg.scale`, or head_dim ** -0.5 when it is 0 (absent in configs saved
+  before it existed)."""
+  return cfg.get("scale", 0.0) or cfg.head_dim**-0.5
+
+
 def attend(
   q_BTNH: jax.Array,
   k_BSKH: jax.Array,
@@ -106,8 +121,10 @@ def attend(
   mask_BTS: jax.Array,
   bias_BNTS: jax.Array | None = None,
   softcap: float = 0.0,
+  scale: float | None = None,
 ) -> jax.Array:
-  """softmax(q k^T / sqrt(H) + bias) v with grouped heads; the pure-jnp reference path."""
+  """softmax(q k^T * scale + bias) v with grouped heads (scale None: 1 / sqrt(H)); the pure-jnp
+  reference path."""
   B, T, N, H = q_BTNH.shape
   K = k_BSKH.shape[2]
   # Query heads grouped per key/value head: [B, T, K, G, H]. With G == 1 (MHA) the 4-D einsum
@@ -119,9 +136,10 @@ def attend(
     if grouped
     else ("BTNH,BSNH->BNTS", "BNTS,BSNH->BTNH")
   )
-  logits = jnp.einsum(spec_qk, q, k_BSKH, preferred_element_type=jnp.float32) * (H**-0.5)
-  if softcap:
-    logits = softcap * jnp.tanh(logits / softcap)
+  scale = H**-0.5 if scale is None else scale
+  logits = soft_cap(
+    jnp.einsum(spec_qk, q, k_BSKH, preferred_element_type=jnp.float32) * scale, softcap
+  )
   if bias_BNTS is not None:
     logits = logits + bias_BNTS.reshape(logits.shape)
   mask = mask_BTS[:, None, None] if grouped else mask_BTS[:, None]
@@ -186,7 +204,7 @@ class Attention(nnx.Module):
     cfg,
     dim: int,
     *,
-    norm_eps: float = 1e-6,
+    norm=None,
     out_init_std: float = 0.02,
     dtype=jnp.float32,
     param_dtype=jnp.float32,
@@ -204,6 +222,7 @@ class Attention(nnx.Module):
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
     self.causal, self.window, self.softcap = cfg.mask == "causal", cfg.window, cfg.softcap
+    self.scale = logit_scale(cfg)
     self.impl = cfg.impl
     self.dtype = dtype
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -216,7 +235,8 @@ class Attention(nnx.Module):
     if cfg.qk_norm == "none":
       self.q_norm = self.k_norm = None
     else:
-      norm_cfg = norms.config(cfg.qk_norm, eps=norm_eps)
+      # The model's norm settings (eps, Gemma's 1 + w form) with the kind qk_norm names.
+      norm_cfg = norms.config(cfg.qk_norm, **norms.settings(norm))
       self.q_norm = norms.make(norm_cfg, H, dtype=dtype, param_dtype=param_dtype)
       self.k_norm = norms.make(norm_cfg, H, dtype=dtype, param_dtype=param_dtype)
 
@@ -288,6 +308,7 @@ class Attention(nnx.Module):
         q_segment_ids_BT=seg,
         kv_segment_ids_BS=seg,
         softcap=self.softcap,
+        scale=self.scale,
       )
     elif impl == "cudnn":
       seg_mask = None
@@ -301,6 +322,7 @@ class Attention(nnx.Module):
         mask=seg_mask,
         is_causal=self.causal,
         local_window_size=(self.window - 1, 0) if self.window else None,
+        scale=self.scale,
         implementation="cudnn",
       )
     else:
@@ -308,6 +330,12 @@ class Attention(nnx.Module):
         q_idx_T, k_idx_S, segment_ids_BT, k_seg_BS, causal=self.causal, window=self.window
       )
       out_BTNH = attend(
-        q_BTNH, k_BSKH, v_BSKH, mask_BTS=mask_BTS, bias_BNTS=bias, softcap=self.softcap
+        q_BTNH,
+        k_BSKH,
+        v_BSKH,
+        mask_BTS=mask_BTS,
+        bias_BNTS=bias,
+        softcap=self.softcap,
+        scale=self.scale,
       )
     return self.o(out_BTNH.reshape(B, T, -1)), cache

@@ -9,6 +9,11 @@ from common import parallel
 Axes = tuple[str | None, ...]
 
 
+def dtypes(cfg) -> dict:
+  """The dtype keyword arguments every shared layer takes, from a model config."""
+  return {"dtype": jnp.dtype(cfg.dtype), "param_dtype": jnp.dtype(cfg.param_dtype)}
+
+
 def normal(std: float):
   return nnx.initializers.normal(stddev=std)
 

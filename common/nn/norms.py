@@ -9,15 +9,29 @@ from common.errors import UserError
 
 
 class RMSNorm(nnx.Module):
-  def __init__(self, dim: int, *, eps: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32):
-    self.eps, self.dtype = eps, dtype
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=("D",))
+  """x / rms(x) * (offset + scale). offset 0: the usual form, scale initialised to 1; offset 1:
+  Gemma's `x * (1 + w)`, w initialised to 0 (so both start as the identity scale)."""
+
+  def __init__(
+    self,
+    dim: int,
+    *,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+  ):
+    self.eps, self.offset, self.dtype = eps, offset, dtype
+    self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, param_dtype), axes=("D",))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     # Statistics in fp32 whatever the compute dtype: bf16 variance underflows.
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+    scale = self.scale[...].astype(jnp.float32)
+    if self.offset:
+      scale = self.offset + scale
+    return (y * scale).astype(self.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -44,17 +58,30 @@ class LayerNorm(nnx.Module):
     return y.astype(self.dtype)
 
 
-def config(kind: str = "rms", *, eps: float = 1e-6, use_bias: bool = True):
-  """A norm sub-config; `use_bias` is read by "layer" only."""
+def config(kind: str = "rms", *, eps: float = 1e-6, use_bias: bool = True, offset: float = 0.0):
+  """A norm sub-config; `use_bias` is read by "layer" only, `offset` by "rms" only (1.0:
+  Gemma's x * (1 + w))."""
   cfg = ml_collections.ConfigDict({"kind": kind, "eps": eps})
   if kind == "layer":
     cfg.use_bias = use_bias
+  if kind == "rms":
+    cfg.offset = offset
   return cfg
+
+
+def settings(cfg) -> dict:
+  """A norm config's settings other than its kind (for another norm of the same model, e.g.
+  attention's QK-norm); {} for None."""
+  if cfg is None:
+    return {}
+  return {k: v for k, v in cfg.items() if k != "kind"}
 
 
 def make(cfg, dim: int, *, dtype=jnp.float32, param_dtype=jnp.float32) -> nnx.Module:
   if cfg.kind == "rms":
-    return RMSNorm(dim, eps=cfg.eps, dtype=dtype, param_dtype=param_dtype)
+    return RMSNorm(
+      dim, eps=cfg.eps, offset=cfg.get("offset", 0.0), dtype=dtype, param_dtype=param_dtype
+    )
   if cfg.kind == "layer":
     return LayerNorm(dim, eps=cfg.eps, use_bias=cfg.use_bias, dtype=dtype, param_dtype=param_dtype)
   raise UserError(f"Unknown norm kind {cfg.kind!r}: use 'rms' or 'layer'.")

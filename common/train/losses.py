@@ -1,5 +1,6 @@
-"""Next-token cross-entropy through the output projection a chunk of tokens at a time, so the
-[tokens, V] logits and their gradient never exist whole (`train.loss_chunk`, 0 = off).
+"""The trainer's task losses (next-token cross-entropy, classification), and the same
+cross-entropy through the output projection a chunk of tokens at a time, so the [tokens, V]
+logits and their gradient never exist whole (`train.loss_chunk`, 0 = off).
 
 Each chunk's logits are computed, turned into the chunk's loss and into the gradient of that
 loss with respect to the head's weights and inputs, and dropped: the gradient is computed in the
@@ -11,31 +12,13 @@ device handles its slice of the vocab and the softmax is assembled as in
 `parallel.cross_entropy`.
 """
 
-import contextlib
-import contextvars
-
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from common import parallel
 from common.errors import UserError
-
-_CHUNK: contextvars.ContextVar[int] = contextvars.ContextVar("loss_chunk", default=0)
-
-
-@contextlib.contextmanager
-def chunked(tokens: int):
-  """Within it, `trainer.loss_sums` runs the head and loss `tokens` tokens at a time (0: off)."""
-  token = _CHUNK.set(int(tokens))
-  try:
-    yield
-  finally:
-    _CHUNK.reset(token)
-
-
-def chunk_size() -> int:
-  return _CHUNK.get()
 
 
 def cross_entropy_and_grad(logits_NV: jax.Array, targets_N: jax.Array):
@@ -77,12 +60,14 @@ def _sum_to(ct, axes: frozenset):
 
 
 def head_cross_entropy_sum(
-  head: nnx.Module, method: str, x_ND: jax.Array, targets_N, weights_N, *, chunk: int
+  head: nnx.Module, project, x_ND: jax.Array, targets_N, weights_N, *, chunk: int
 ) -> jax.Array:
-  """sum_n weights_N[n] * CE(head.<method>(x_ND[n]), targets_N[n]), `chunk` tokens at a time.
+  """sum_n weights_N[n] * CE(project(head, x_ND[n]), targets_N[n]), `chunk` tokens at a time.
 
-  `head` is the model's output projection (its `lm_head`, or the embedding whose `attend` is
-  the tied head); its parameters and `x_ND` get gradients, `targets_N` and `weights_N` not.
+  `head` is the module holding the model's output projection (its `lm_head`, or the embedding
+  whose `attend` is the tied head) and `project(head, x)` the logits it gives, soft-cap
+  included (`common.nn.transformer.Decoder.output_head`); its parameters and `x_ND` get
+  gradients, `targets_N` and `weights_N` not.
   """
   N, D = x_ND.shape
   pad = -N % chunk
@@ -96,7 +81,7 @@ def head_cross_entropy_sum(
   varying = {}  # what the primal inputs vary over, read when tracing the forward pass
 
   def apply(params, x_CD):
-    return getattr(nnx.merge(graphdef, params, rest), method)(x_CD)
+    return project(nnx.merge(graphdef, params, rest), x_CD)
 
   def forward(params, x_ND):
     varying["params"] = jax.tree.map(_varying, params)
@@ -135,22 +120,68 @@ def head_cross_entropy_sum(
 
 
 def decoder_sums(model, inputs_BT, segment_ids_BT, targets_BT, weights_BT, *, chunk: int):
-  """`trainer.loss_sums`'s summed loss with the head run `chunk` tokens at a time: the decoder's
-  `hidden` states, then its output projection (`lm_head`, or when tied `embed.attend`, as the
-  decoder's own `logits`) chunk by chunk."""
-  if not hasattr(model, "hidden") or not hasattr(model, "embed"):
+  """`loss_sums`'s summed loss with the head run `chunk` tokens at a time: the decoder's
+  `hidden` states, then its output head (`output_head`, the same projection and soft-cap as
+  its `logits`) chunk by chunk."""
+  if not hasattr(model, "output_head"):
     raise UserError(
-      f"train.loss_chunk needs a decoder with `hidden` and `embed` ({type(model).__module__} "
-      "has not): set --config.train.loss_chunk=0."
+      f"train.loss_chunk needs a decoder with an output head ({type(model).__name__} has "
+      "none): set --config.train.loss_chunk=0."
     )
-  head, method = (model.embed, "attend") if model.lm_head is None else (model.lm_head, "__call__")
+  head, project = model.output_head()
   x_BTD, _ = model.hidden(inputs_BT, segment_ids_BT=segment_ids_BT)
   B, T, D = x_BTD.shape
   return head_cross_entropy_sum(
     head,
-    method,
+    project,
     x_BTD.reshape(B * T, D),
     targets_BT.reshape(-1),
     weights_BT.reshape(-1),
     chunk=min(chunk, B * T),
   )
+
+
+# The trainer's task losses: summed over the batch, with the count they are the mean over.
+
+
+def loss_sums(model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+  """Summed next-token cross-entropy over a batch of packed rows, and the number of targets.
+
+  A target counts only when it continues the segment of its input (no predicting across a
+  document boundary) and is not padding.
+  """
+  tokens, segments = batch["tokens"], batch["segment_ids"]
+  inputs_BT, targets_BT = tokens[:, :-1], tokens[:, 1:]
+  in_seg_BT = segments[:, :-1]
+  weights_BT = ((segments[:, 1:] == in_seg_BT) & (in_seg_BT != 0)).astype(jnp.float32)
+  if loss_chunk:  # train.loss_chunk: the [B, T, V] logits never held whole
+    total = decoder_sums(model, inputs_BT, in_seg_BT, targets_BT, weights_BT, chunk=loss_chunk)
+    return total, jnp.sum(weights_BT)
+  logits_BTV = model(inputs_BT, segment_ids_BT=in_seg_BT)
+  ce_BT = parallel.cross_entropy(logits_BTV, targets_BT)
+  return jnp.sum(ce_BT * weights_BT), jnp.sum(weights_BT)
+
+
+def classify_rows(model, batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A classifier's logits [B, C], cross-entropy [B] against the rows' `labels`, and row weights
+  [B] (a row of padding only, segment ids all 0, counts for nothing)."""
+  logits_BC = model.classify(batch["tokens"], attention_mask=batch["segment_ids"])
+  weights_B = (batch["segment_ids"] != 0).any(axis=1).astype(jnp.float32)
+  ce_B = optax.softmax_cross_entropy_with_integer_labels(
+    logits_BC.astype(jnp.float32), batch["labels"]
+  )
+  return logits_BC, ce_B, weights_B
+
+
+def classify_sums(model, batch: dict) -> tuple[jax.Array, jax.Array]:
+  """Summed cross-entropy of a classifier over its rows, and the number of rows."""
+  _, ce_B, weights_B = classify_rows(model, batch)
+  return jnp.sum(ce_B * weights_B), jnp.sum(weights_B)
+
+
+def task_sums(model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+  """The loss sums of what the batch holds: labelled rows train a classifier, token rows a
+  language model."""
+  if "labels" in batch:
+    return classify_sums(model, batch)
+  return loss_sums(model, batch, loss_chunk=loss_chunk)

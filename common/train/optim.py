@@ -1,5 +1,6 @@
-"""The trainer's optimizer: AdamW with global-norm clipping and a learning-rate schedule, as
-`optax.chain(clip_by_global_norm, adamw)` computes it, in one pass over each parameter.
+"""The trainer's optimizer: AdamW with global-norm clipping and a learning-rate schedule (the
+`optim` config), as `optax.chain(clip_by_global_norm, adamw)` computes it, in one pass over each
+parameter.
 
 Why not the chain itself: written as separate transformations (clip, then Adam's moments, then
 bias correction, decay and the learning rate, then `apply_updates`, with the non-finite guard and
@@ -17,6 +18,8 @@ before this existed restore, and `tests/common/test_optim.py` compares every ste
 import jax
 import jax.numpy as jnp
 import optax
+
+from common.errors import UserError
 
 
 def decay_mask(params):
@@ -83,3 +86,41 @@ def adamw(
     return updates, (clip_state, (adam, masked, sched))
 
   return optax.GradientTransformationExtraArgs(ref.init, update)
+
+
+# The trainer's schedule and optimizer, from the `optim` config.
+
+
+def schedule(cfg, steps: int) -> optax.Schedule:
+  """Linear warm-up, then cosine or linear decay to `min_lr_ratio * lr`, or constant."""
+  warmup = min(cfg.warmup_steps, max(steps - 1, 0))
+  end = cfg.lr * cfg.min_lr_ratio
+  if cfg.schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(steps, warmup + 1), end)
+  if cfg.schedule == "linear":
+    return optax.join_schedules(
+      [
+        optax.linear_schedule(0.0, cfg.lr, warmup),
+        optax.linear_schedule(cfg.lr, end, max(steps - warmup, 1)),
+      ],
+      [warmup],
+    )
+  if cfg.schedule == "constant":
+    return optax.join_schedules(
+      [optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)], [warmup]
+    )
+  raise UserError(f"Unknown optim.schedule {cfg.schedule!r}: use cosine, linear or constant.")
+
+
+def optimizer(cfg, steps: int, *, fused: bool = True) -> optax.GradientTransformation:
+  """AdamW with global-norm clipping; no weight decay on vectors (norm scales, biases).
+  `fused` False: the same as optax chains it (the module docstring says why the trainer does
+  not)."""
+  return (adamw if fused else reference)(
+    schedule(cfg, steps),
+    b1=cfg.b1,
+    b2=cfg.b2,
+    eps=cfg.eps,
+    weight_decay=cfg.weight_decay,
+    clip_norm=cfg.clip_norm,
+  )

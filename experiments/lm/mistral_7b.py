@@ -11,7 +11,9 @@ Data:      text files (one document each) or .jsonl files (field `text`), comma-
 
 import ml_collections
 
+from common import mesh
 from common.data import pipeline, tokenizers
+from common.train import settings
 from zoo.llama import model as llama
 
 
@@ -35,19 +37,11 @@ def get_config(arg=None):
   c.model.dtype = "bfloat16"
 
   # Optimizer
-  c.optim = ml_collections.ConfigDict(dict(
-      lr=3e-4, warmup_steps=2000, schedule="cosine", min_lr_ratio=0.1,
-      b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0,
-  ))
+  c.optim = settings.optim(warmup_steps=2000)
 
   # Training
-  c.train = ml_collections.ConfigDict(dict(
-      steps=100_000, batch_size=512, log_every=10, eval_every=1000, eval_batches=50,
-      checkpoint_every=1000, keep_checkpoints=3,
-      nonfinite="skip",  # a NaN/inf loss or gradient: skip that update and count it, or "stop"
-      micro_batches=1,  # gradient accumulation: the batch run in this many slices
-  ))
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+  c.train = settings.train(steps=100_000, batch_size=512, eval_every=1000, eval_batches=50)
+  c.mesh = mesh.config(fsdp=-1)
   # Mesh rules: the first pattern matching the hardware (`zoo show` says which) sets the mesh
   # and memory levers; not measured here (no accelerator), the intent of the recipe.
   c.mesh_rules = [

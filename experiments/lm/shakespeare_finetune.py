@@ -15,7 +15,9 @@ Data:      Hamlet, held out of lm/shakespeare-char's training: its first 90% tra
 
 import ml_collections
 
+from common import mesh
 from common.data import pipeline, tokenizers
+from common.train import settings
 from experiments.lm import shakespeare_char
 from zoo.llama import model as llama
 
@@ -39,17 +41,11 @@ def get_config(arg=None):
   c.model = shakespeare_char.get_config().model
 
   # Optimizer: a tenth of the pretraining rate, short warm-up, no decay to speak of.
-  c.optim = ml_collections.ConfigDict(dict(
-      lr=3e-4, warmup_steps=10, schedule="cosine", min_lr_ratio=0.5,
-      b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0,
-  ))
+  c.optim = settings.optim(warmup_steps=10, min_lr_ratio=0.5)
 
   # Training
-  c.train = ml_collections.ConfigDict(dict(
-      steps=100, batch_size=32, log_every=10, eval_every=50, eval_batches=0,
-      checkpoint_every=100, keep_checkpoints=1, nonfinite="skip", micro_batches=1,
-  ))
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
+  c.train = settings.train(steps=100, eval_every=50, checkpoint_every=100, keep_checkpoints=1)
+  c.mesh = mesh.config()
   c.mesh_rules = [("cpux1", {}), ("*x8", {"mesh.data": 8})]
 
   if arg == "smoke":  # from scratch: a smoke test has no lm/shakespeare-char run to start from

@@ -18,8 +18,10 @@ Data:      lines of at least 5 words from 36 plays, labelled by the play's group
 
 import ml_collections
 
+from common import mesh
 from common.data import pipeline, tokenizers
 from common.nn import lora
+from common.train import settings
 from zoo.bert import model as bert
 
 ARGS = ("smoke", "scratch", "lora")
@@ -44,17 +46,13 @@ def get_config(arg=None):
   c.model = bert.config("all-minilm-l6-v2", num_labels=3)
 
   # Optimizer: a fine-tuning rate.
-  c.optim = ml_collections.ConfigDict(dict(
-      lr=1e-4, warmup_steps=60, schedule="linear", min_lr_ratio=0.0,
-      b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, clip_norm=1.0,
-  ))
+  c.optim = settings.optim(
+      lr=1e-4, warmup_steps=60, schedule="linear", min_lr_ratio=0.0, b2=0.999, weight_decay=0.01,
+  )
 
   # Training
-  c.train = ml_collections.ConfigDict(dict(
-      steps=600, batch_size=32, log_every=10, eval_every=600, eval_batches=0,
-      checkpoint_every=300, keep_checkpoints=1, nonfinite="skip", micro_batches=1,
-  ))
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
+  c.train = settings.train(steps=600, eval_every=600, checkpoint_every=300, keep_checkpoints=1)
+  c.mesh = mesh.config()
   c.mesh_rules = [("cpux1", {}), ("*x8", {"mesh.data": 8})]
 
   if arg == "scratch":  # the same model from random weights, at a from-scratch rate

@@ -18,8 +18,9 @@ from flax import nnx
 from common import cli, experiments
 from common.data import pipeline
 from common.errors import Preempted, UserError
-from common.hub import checkpoint
-from common.train import faults, trainer
+from common.hub import checkpoint, weights
+from common.train import faults, losses, metrics, optim, trainer
+from common.train import step as steps
 
 SMOKE = "lm/shakespeare-char:smoke"
 BASE = {
@@ -86,11 +87,11 @@ def test_finite_refuses_nan_or_inf_in_the_loss_or_the_gradient_norm():
 
 def test_train_step_skips_a_non_finite_update_but_counts_the_step():
   cfg = smoke_config({"optim.warmup_steps": "0"})  # a first step that moves the params
-  tx = trainer.optimizer(cfg.optim, cfg.train.steps)
-  graphdef, state = trainer.init_state(cfg, tx)
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  graphdef, state = steps.init_state(cfg, tx)
   rows = pipeline.load_split(cfg.data, "train")
   batch = next(pipeline.train_iterator(rows, batch_size=cfg.train.batch_size, seed=0))
-  step = jax.jit(lambda s, b: trainer.train_step(s, b, graphdef=graphdef, tx=tx))
+  step = jax.jit(lambda s, b: steps.train_step(s, b, graphdef=graphdef, tx=tx))
 
   good, metrics = step(state, batch)
   assert int(metrics["skipped"]) == 0 and int(good.step) == 1
@@ -100,7 +101,7 @@ def test_train_step_skips_a_non_finite_update_but_counts_the_step():
   leaves, treedef = jax.tree.flatten(state.params)
   leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(jnp.nan)
   poisoned = jax.tree.unflatten(treedef, leaves)
-  bad_state = trainer.TrainState(state.step, poisoned, state.opt_state, state.rng)
+  bad_state = steps.TrainState(state.step, poisoned, state.opt_state, state.rng)
   after, metrics = step(bad_state, batch)
   assert int(metrics["skipped"]) == 1 and np.isnan(float(metrics["loss"]))
   assert int(after.step) == 1
@@ -146,7 +147,7 @@ def poison_step(cfg, step: int, monkeypatch):
   rows = pipeline.load_split(cfg.data, "train")
   batches = pipeline.train_iterator(rows, batch_size=cfg.train.batch_size, seed=cfg.seed)
   row = [next(batches) for _ in range(step)][-1]["tokens"][0]
-  loss_sums = trainer.loss_sums
+  loss_sums = losses.loss_sums
 
   def poisoned(model, batch):
     total, count = loss_sums(model, batch)
@@ -173,7 +174,7 @@ def test_nonfinite_skip_in_a_run(tmp_path, monkeypatch):
   # The state after step 3 is the state after step 2 (but for the step counter).
   ckpts = checkpoint.Checkpoints(workdir, read_only=True)
   try:
-    abstract = trainer.abstract_state(cfg, trainer.optimizer(cfg.optim, cfg.train.steps))
+    abstract = steps.abstract_state(cfg, optim.optimizer(cfg.optim, cfg.train.steps))
     s2, s3, s4 = (ckpts.restore(s, abstract) for s in (2, 3, 4))
   finally:
     ckpts.close()
@@ -243,7 +244,7 @@ def test_sigint_saves_the_step_exits_130_and_the_rerun_loses_nothing(
   argv = ["run", SMOKE, "--workdir", workdir, "--quiet"] + [
     f"--config.{k}={v}" for k, v in BASE.items()
   ]
-  write = trainer.MetricsLog.write
+  write = metrics.MetricsLog.write
 
   def write_then_interrupt(self, step, metrics, split="train"):
     write(self, step, metrics, split)
@@ -251,7 +252,7 @@ def test_sigint_saves_the_step_exits_130_and_the_rerun_loses_nothing(
       os.kill(os.getpid(), signal.SIGINT)
 
   with monkeypatch.context() as m:
-    m.setattr(trainer.MetricsLog, "write", write_then_interrupt)
+    m.setattr(metrics.MetricsLog, "write", write_then_interrupt)
     assert cli.main(argv) == 130
   err = capsys.readouterr().err
   assert "SIGINT received" in err and "stopped by SIGINT after step 3" in err, err
@@ -288,7 +289,7 @@ def damage(workdir, step: int):
 
 def abstract(cfg=None):
   cfg = cfg or smoke_config()
-  return trainer.abstract_state(cfg, trainer.optimizer(cfg.optim, cfg.train.steps))
+  return steps.abstract_state(cfg, optim.optimizer(cfg.optim, cfg.train.steps))
 
 
 @pytest.mark.slow
@@ -308,7 +309,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_for_the_newest_good_one(
   path = os.path.join(checkpoint.directory(workdir), "6")
   assert f"checkpoint {path} is damaged" in err and f"moved it to {path}.damaged" in err, err
   assert steps_on_disk(workdir) == [2, 4] and os.path.isdir(path + ".damaged")
-  _, want, _ = trainer.restore_params(smoke_config(), workdir)  # a fresh view agrees
+  _, want, _ = weights.restore_params(smoke_config(), workdir)  # a fresh view agrees
   ckpts = checkpoint.Checkpoints(reference, read_only=True)
   try:
     assert_trees_equal(want, ckpts.restore(4, abstract()).params)
@@ -322,7 +323,7 @@ def test_read_only_restore_skips_a_damaged_checkpoint_without_moving_it(referenc
   # restore_params reads params only: damage what every array needs (the largest file may hold
   # optimizer state alone, which it rightly does not miss).
   os.remove(os.path.join(checkpoint.directory(workdir), "6", "state", "manifest.ocdbt"))
-  _, _, step = trainer.restore_params(smoke_config(), workdir)
+  _, _, step = weights.restore_params(smoke_config(), workdir)
   assert step == 4
   assert "is damaged" in capfd.readouterr().err
   assert steps_on_disk(workdir) == [2, 4, 6]

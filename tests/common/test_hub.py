@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from common import cli, experiments, hub
 from common.errors import UserError
 from common.hub import weights
-from common.train import trainer
+from common.train import optim, trainer
+from common.train import step as steps
 
 # fp32 on both sides; measured max |diff| is about 1e-5 on logits of magnitude ~5 (see the
 # printed values with -s), so 1e-4 leaves room for other BLAS builds and nothing more.
@@ -399,8 +400,8 @@ def test_init_from_a_converted_checkpoint(tmp_path):
   model_cfg, converted = hub.read(str(tmp_path / "zoo"))
   cfg = experiments.get_config("lm/shakespeare-char:smoke")
   cfg.model, cfg.init_from = model_cfg, str(tmp_path / "zoo")
-  _, fresh = trainer.init_state(cfg, trainer.optimizer(cfg.optim, cfg.train.steps))
-  loaded = trainer.load_init_params(cfg, fresh.params)
+  _, fresh = steps.init_state(cfg, optim.optimizer(cfg.optim, cfg.train.steps))
+  loaded = weights.init_params(cfg, fresh.params)
   for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(converted), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -509,7 +510,7 @@ def genre_cfg(hf_dir, **model_overrides):
 
 
 def fresh_params(cfg):
-  return trainer.init_state(cfg, trainer.optimizer(cfg.optim, cfg.train.steps))[1].params
+  return steps.init_state(cfg, optim.optimizer(cfg.optim, cfg.train.steps))[1].params
 
 
 def flat(params) -> dict:
@@ -520,7 +521,7 @@ def test_init_from_an_hf_dir_keeps_a_new_head_fresh(tmp_path):
   hf_model("bert").save_pretrained(tmp_path / "hf")
   cfg = genre_cfg(tmp_path / "hf")
   fresh = flat(fresh_params(cfg))
-  loaded = flat(trainer.load_init_params(cfg, fresh_params(cfg)))
+  loaded = flat(weights.init_params(cfg, fresh_params(cfg)))
   _, hf_params = hub.read(str(tmp_path / "hf"))
   from_hf = flat(hf_params)
   assert set(loaded) == set(from_hf) | {"head.kernel", "head.bias"}
@@ -533,7 +534,7 @@ def test_init_from_names_every_parameter_that_does_not_fit(tmp_path):
   cfg = genre_cfg(tmp_path / "hf", num_layers=1, vocab_size=V + 8)
   cfg.init_reinit = ""
   with pytest.raises(UserError) as e:
-    trainer.load_init_params(cfg, fresh_params(cfg))
+    weights.init_params(cfg, fresh_params(cfg))
   msg = str(e.value)
   assert "head.kernel: checkpoint missing vs model (64, 3)" in msg
   assert f"embed.embedding: checkpoint ({V}, 64) vs model ({V + 8}, 64)" in msg
@@ -546,7 +547,7 @@ def test_init_from_names_every_parameter_that_does_not_fit(tmp_path):
   # Named in init_reinit, the resized vocab starts fresh; the extra layer is still refused.
   cfg.init_reinit = "head.*,embed.*"
   with pytest.raises(UserError) as e:
-    trainer.load_init_params(cfg, fresh_params(cfg))
+    weights.init_params(cfg, fresh_params(cfg))
   assert "embed.embedding" not in str(e.value) and "blocks.1." in str(e.value)
 
 
@@ -577,7 +578,7 @@ def test_export_refuses_settings_the_hf_class_lacks(family, name):
   for change in (
     lambda c: setattr(c, "position", position.config("alibi")),
     lambda c: setattr(c.attention, "num_kv_heads", 1),
-    lambda c: setattr(c.mlp, "kind", "swiglu"),
+    lambda c: setattr(c.mlp, "activation", "swiglu"),
   ):
     bad = models.family_module(family).config("tiny")
     change(bad)

@@ -175,6 +175,7 @@ NP_ACT = {
   "gelu": np_gelu_tanh,
   "gelu_exact": np_gelu_erf,
   "relu": lambda x: np.maximum(x, 0),
+  "quick_gelu": lambda x: x / (1 + np.exp(-1.702 * x)),
 }
 
 
@@ -200,6 +201,30 @@ def test_mlp_matches_numpy(kind, use_bias):
   np.testing.assert_allclose(m(jnp.asarray(x)), lin(m.down, h), atol=1e-4, rtol=1e-4)
 
 
-def test_mlp_unknown_kind():
-  with pytest.raises(UserError):
+def test_mlp_unknown_activation_and_kind():
+  with pytest.raises(UserError, match="activation 'swish'"):
     mlp.MLP(mlp.config("swish", hidden_dim=8), 4, rngs=nnx.Rngs(0))
+  cfg = mlp.config(hidden_dim=8)
+  cfg.kind = "densee"
+  with pytest.raises(UserError, match="Did you mean: dense"):
+    mlp.make(cfg, 4, rngs=nnx.Rngs(0))
+
+
+def test_mlp_kind_is_an_extension_point():
+  """A feed-forward layer registered under a new kind is what `mlp.make` builds for it."""
+
+  @mlp.register("doubled_for_test")
+  class Doubled(mlp.MLP):
+    def __call__(self, x_BTD):
+      return 2 * super().__call__(x_BTD)
+
+  try:
+    cfg = mlp.config("relu", hidden_dim=8)
+    cfg.kind = "doubled_for_test"
+    layer = mlp.make(cfg, 4, rngs=nnx.Rngs(0))
+    assert isinstance(layer, Doubled)
+    x = jnp.ones((1, 2, 4))
+    dense = nnx.merge(*nnx.split(layer))
+    np.testing.assert_allclose(layer(x), 2 * mlp.MLP.__call__(dense, x), rtol=1e-6)
+  finally:
+    del mlp.KINDS["doubled_for_test"]

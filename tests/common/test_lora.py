@@ -10,8 +10,10 @@ from flax import nnx
 
 from common import experiments, hub, models
 from common.errors import UserError
+from common.hub import weights
 from common.nn import lora
-from common.train import trainer
+from common.train import optim, trainer
+from common.train import step as steps
 from zoo.bert import model as bert
 from zoo.llama import model as llama
 
@@ -71,8 +73,8 @@ def test_a_train_step_moves_only_adapters_and_named_params():
   cfg = experiments.get_config("lm/shakespeare-char:smoke")
   cfg.model.lora = lora.config(rank=4, targets="attn.q,attn.v", train="norm.*")
   cfg.optim.warmup_steps = 0
-  tx = trainer.optimizer(cfg.optim, 10)
-  graphdef, state = trainer.init_state(cfg, tx)
+  tx = optim.optimizer(cfg.optim, 10)
+  graphdef, state = steps.init_state(cfg, tx)
   trainable = lora.trainable(cfg.model)
   trained_part, _ = nnx.split_state(state.params, trainable, ...)
   trained = {k for k, _ in nnx.to_flat_state(trained_part)}
@@ -80,9 +82,7 @@ def test_a_train_step_moves_only_adapters_and_named_params():
   moments = [x for x in jax.tree.leaves(state.opt_state) if getattr(x, "ndim", 0) > 0]
   assert sum(x.size for x in moments) == 2 * sum(x.size for x in jax.tree.leaves(trained_part))
 
-  step = jax.jit(
-    lambda s, b: trainer.train_step(s, b, graphdef=graphdef, tx=tx, trainable=trainable)
-  )
+  step = jax.jit(lambda s, b: steps.train_step(s, b, graphdef=graphdef, tx=tx, trainable=trainable))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 33)), jnp.int32)
   before = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(state.params)}
   new, metrics = step(state, {"tokens": tokens, "segment_ids": jnp.ones_like(tokens)})
@@ -107,7 +107,7 @@ def test_lora_run_exports_merged_and_loads_in_transformers(tmp_path):
   trainer.train(cfg, str(tmp_path / "run"), progress=False)
 
   # The run's own (unmerged) model, from its checkpoint.
-  graphdef, params, _ = trainer.restore_params(cfg, str(tmp_path / "run"))
+  graphdef, params, _ = weights.restore_params(cfg, str(tmp_path / "run"))
   ours = nnx.merge(graphdef, params)
   b = np.asarray(ours.blocks[0].attn.q.lora.b[...])
   assert np.abs(b).max() > 0  # the adapters trained

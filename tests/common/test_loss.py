@@ -1,5 +1,5 @@
-"""train.loss_chunk: the chunked head + cross-entropy (common/loss.py) equals the plain one in
-values and gradients, tied or untied, with a chunk that does not divide the tokens."""
+"""train.loss_chunk: the chunked head + cross-entropy (common/train/losses.py) equals the plain
+one in values and gradients, tied or untied, with a chunk that does not divide the tokens."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +8,7 @@ import pytest
 from flax import nnx
 
 from common import models
-from common.train import losses as loss
-from common.train import trainer
+from common.train import losses
 from zoo.llama import model as llama
 
 
@@ -27,8 +26,7 @@ def sums_and_grads(cfg, batch, chunk):
   graphdef, params = nnx.split(models.build(cfg, seed=1), nnx.Param)
 
   def total(params):
-    with loss.chunked(chunk):
-      return trainer.loss_sums(nnx.merge(graphdef, params), batch)
+    return losses.loss_sums(nnx.merge(graphdef, params), batch, loss_chunk=chunk)
 
   return jax.jit(jax.value_and_grad(total, has_aux=True))(params)
 
@@ -48,16 +46,12 @@ def test_chunked_equals_plain(tie, chunk):
     np.testing.assert_allclose(g_c[...], g[...], rtol=1e-5, atol=atol, err_msg=str(path))
 
 
-def test_value_alone_and_context():
-  """Without a gradient (evaluation) the chunked loss is the same number; the setting is
-  scoped to its `with` block."""
+def test_value_alone():
+  """Without a gradient (evaluation) the chunked loss is the same number."""
   cfg = llama.config("tiny", vocab_size=97)
   b = batch(cfg.vocab_size)
   model = models.build(cfg, seed=1)
-  plain = trainer.loss_sums(model, b)[0]
-  with loss.chunked(8):
-    assert loss.chunk_size() == 8
-    chunked = trainer.loss_sums(model, b)[0]
-  assert loss.chunk_size() == 0
+  plain = losses.loss_sums(model, b)[0]
+  chunked = losses.loss_sums(model, b, loss_chunk=8)[0]
   np.testing.assert_allclose(chunked, plain, rtol=1e-6)
   assert model.lm_head is not None  # the model is left as it was

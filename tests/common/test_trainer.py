@@ -17,8 +17,9 @@ from flax import nnx
 from common import experiments, models
 from common.data import pipeline
 from common.errors import UserError
-from common.hub import checkpoint
-from common.train import trainer
+from common.hub import checkpoint, weights
+from common.train import losses, metrics, optim, trainer
+from common.train import step as steps
 from zoo.llama import model as llama
 
 SMOKE = "lm/shakespeare-char:smoke"
@@ -88,7 +89,7 @@ def test_loss_sums_masks_document_boundaries_and_padding(tiny):
   def loss_and_logits(params, batch):
     model = nnx.merge(graphdef, params)
     logits = model(batch["tokens"][:, :-1], segment_ids_BT=batch["segment_ids"][:, :-1])
-    return trainer.loss_sums(model, batch), logits
+    return losses.loss_sums(model, batch), logits
 
   batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.asarray(segments)}
   (total, count), logits = loss_and_logits(params, batch)
@@ -127,7 +128,7 @@ def optim_config(**kw) -> ml_collections.ConfigDict:
 def test_adamw_decays_matrices_but_not_vectors(tiny):
   _, params = tiny
   lr, wd = 0.1, 0.5
-  tx = trainer.optimizer(
+  tx = optim.optimizer(
     optim_config(lr=lr, weight_decay=wd, warmup_steps=0, schedule="constant"), 10
   )
   # With zero gradients Adam's update is exactly 0, so all that moves a param is weight decay.
@@ -145,7 +146,7 @@ def test_adamw_decays_matrices_but_not_vectors(tiny):
 
 def test_warmup_cosine_schedule_equals_optax_reference():
   lr, end, warmup, steps = 1e-3, 1e-4, 3, 10
-  got = trainer.schedule(optim_config(), steps)
+  got = optim.schedule(optim_config(), steps)
   ref = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end)
   for t in [0, 1, 2, 3, 5, 8, 10, 12]:
     want = (
@@ -159,8 +160,8 @@ def test_warmup_cosine_schedule_equals_optax_reference():
 
 def test_linear_and_constant_schedules():
   lr, end = 1e-3, 1e-4
-  linear = trainer.schedule(optim_config(schedule="linear"), 10)
-  constant = trainer.schedule(optim_config(schedule="constant"), 10)
+  linear = optim.schedule(optim_config(schedule="linear"), 10)
+  constant = optim.schedule(optim_config(schedule="constant"), 10)
   for t in [0, 1, 2, 3, 6, 10, 12]:
     warm = lr * t / 3
     np.testing.assert_allclose(
@@ -171,9 +172,9 @@ def test_linear_and_constant_schedules():
     )
     np.testing.assert_allclose(float(constant(t)), warm if t < 3 else lr, rtol=1e-5, atol=1e-12)
   # A warm-up longer than the run is cut so that the last step reaches the peak.
-  np.testing.assert_allclose(float(trainer.schedule(optim_config(warmup_steps=100), 4)(3)), lr)
+  np.testing.assert_allclose(float(optim.schedule(optim_config(warmup_steps=100), 4)(3)), lr)
   with pytest.raises(UserError, match="exponential"):
-    trainer.schedule(optim_config(schedule="exponential"), 10)
+    optim.schedule(optim_config(schedule="exponential"), 10)
 
 
 # Runs
@@ -194,7 +195,7 @@ def test_same_seed_gives_identical_losses(reference, tmp_path):
 @pytest.mark.slow
 def test_logged_lr_follows_the_schedule(reference):
   cfg = smoke_config()
-  lr_at = trainer.schedule(cfg.optim, cfg.train.steps)
+  lr_at = optim.schedule(cfg.optim, cfg.train.steps)
   with open(os.path.join(reference, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
   assert [r["lr"] for r in records] == [float(lr_at(r["step"] - 1)) for r in records]
@@ -209,8 +210,8 @@ def test_resume_extending_steps_is_exact(reference, tmp_path):
   trainer.train(smoke_config({"train.steps": "6"}), workdir, progress=False)
   assert train_losses(workdir) == train_losses(reference)  # every step, bitwise
   cfg = smoke_config()
-  _, params, step = trainer.restore_params(cfg, workdir)
-  _, want, want_step = trainer.restore_params(cfg, reference)
+  _, params, step = weights.restore_params(cfg, workdir)
+  _, want, want_step = weights.restore_params(cfg, reference)
   assert step == want_step == 6
   assert_params_equal(params, want)
 
@@ -222,7 +223,7 @@ class Crash(Exception):
 @pytest.mark.slow
 def test_resume_after_a_crash_is_exact(reference, tmp_path, monkeypatch):
   """Same config, killed during step 5 (after the step-4 checkpoint), then rerun."""
-  write = trainer.MetricsLog.write
+  write = metrics.MetricsLog.write
 
   def crashing_write(self, step, metrics, split="train"):
     if step == 5:
@@ -231,15 +232,15 @@ def test_resume_after_a_crash_is_exact(reference, tmp_path, monkeypatch):
 
   workdir = str(tmp_path / "run")
   with monkeypatch.context() as m:
-    m.setattr(trainer.MetricsLog, "write", crashing_write)
+    m.setattr(metrics.MetricsLog, "write", crashing_write)
     with pytest.raises(Crash):
       trainer.train(smoke_config(), workdir, progress=False)
   assert list(train_losses(workdir)) == [1, 2, 3, 4]
   trainer.train(smoke_config(), workdir, progress=False)
   assert train_losses(workdir) == train_losses(reference)
   assert_params_equal(
-    trainer.restore_params(smoke_config(), workdir)[1],
-    trainer.restore_params(smoke_config(), reference)[1],
+    weights.restore_params(smoke_config(), workdir)[1],
+    weights.restore_params(smoke_config(), reference)[1],
   )
 
 
@@ -276,8 +277,8 @@ def test_checkpoint_holds_the_data_iterator_state(reference):
   restored = pipeline.train_iterator(rows, batch_size=cfg.train.batch_size, seed=cfg.seed)
   ckpts, step = checkpoint.open_latest(reference)
   try:
-    tx = trainer.optimizer(cfg.optim, cfg.train.steps)
-    ckpts.restore(step, trainer.abstract_state(cfg, tx), data_iterator=restored)
+    tx = optim.optimizer(cfg.optim, cfg.train.steps)
+    ckpts.restore(step, steps.abstract_state(cfg, tx), data_iterator=restored)
   finally:
     ckpts.close()
   got = next(restored)
@@ -288,10 +289,10 @@ def test_checkpoint_holds_the_data_iterator_state(reference):
 @pytest.mark.slow
 def test_init_from_loads_the_source_params(reference, tmp_path):
   cfg = smoke_config({"init_from": reference, "seed": "5", "train.steps": "1"})
-  _, source, _ = trainer.restore_params(smoke_config(), reference)
-  tx = trainer.optimizer(cfg.optim, cfg.train.steps)
-  graphdef, fresh = trainer.init_state(cfg, tx)
-  loaded = trainer.load_init_params(cfg, fresh.params)
+  _, source, _ = weights.restore_params(smoke_config(), reference)
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  graphdef, fresh = steps.init_state(cfg, tx)
+  loaded = weights.init_params(cfg, fresh.params)
   assert_params_equal(loaded, source)
 
   # The first step of a run with init_from starts from those params: its loss is theirs.
@@ -299,7 +300,7 @@ def test_init_from_loads_the_source_params(reference, tmp_path):
   trainer.train(cfg, workdir, progress=False)
   rows = pipeline.load_split(cfg.data, "train")
   batch = next(pipeline.train_iterator(rows, batch_size=cfg.train.batch_size, seed=cfg.seed))
-  loss = jax.jit(lambda p, b: trainer.loss_sums(nnx.merge(graphdef, p), b))
+  loss = jax.jit(lambda p, b: losses.loss_sums(nnx.merge(graphdef, p), b))
   total, count = loss(source, batch)
   fresh_total, _ = loss(fresh.params, batch)
   got = train_losses(workdir)[1]
@@ -324,7 +325,7 @@ def test_init_from_a_different_shape_lists_the_mismatched_keys(reference, tmp_pa
 def test_init_from_a_missing_path_is_a_user_error(tmp_path):
   cfg = smoke_config({"init_from": str(tmp_path / "nope")})
   with pytest.raises(UserError, match=re.escape(str(tmp_path / "nope"))):
-    trainer.load_init_params(cfg, None)
+    weights.init_params(cfg, None)
 
 
 @pytest.mark.slow
@@ -345,4 +346,4 @@ def test_resume_with_other_memory_levers(reference, tmp_path):
   assert list(got) == list(want)
   for step, loss in want.items():
     assert got[step] == pytest.approx(loss, rel=1e-5), step
-  assert trainer.restore_params(smoke_config(), workdir)[2] == 6  # loads with the levers off
+  assert weights.restore_params(smoke_config(), workdir)[2] == 6  # loads with the levers off

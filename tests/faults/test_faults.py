@@ -21,8 +21,7 @@ import pytest
 from flax import nnx
 
 from common import experiments
-from common.hub import checkpoint
-from common.train import trainer
+from common.hub import checkpoint, weights
 
 pytestmark = pytest.mark.slow
 
@@ -139,7 +138,7 @@ def losses(workdir) -> dict[int, float]:
 
 
 def params(workdir) -> dict:
-  _, state, step = trainer.restore_params(experiments.get_config(SMOKE, OVERRIDES), workdir)
+  _, state, step = weights.restore_params(experiments.get_config(SMOKE, OVERRIDES), workdir)
   assert step == STEPS
   return {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(state)}
 

@@ -204,3 +204,15 @@ def test_lowers_for_gpu_with_triton(N, K, H):
 
   text = jax.jit(step).trace(q, k, k, q, seg).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") == 3, "forward, dq and dk/dv kernels"
+
+
+def test_scale_other_than_one_over_sqrt_h():
+  """attention.scale (Gemma's query_pre_attn_scalar, T5's 1): the kernel and the reference
+  agree, and differ from the default scale."""
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 16, 2, 8)), jnp.float32) for _ in range(3))
+  got = fa.flash_attention(q, k, v, causal=True, scale=0.3, block_q=8, block_k=8)
+  want = fa.reference(q, k, v, causal=True, scale=0.3)
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  default = fa.reference(q, k, v, causal=True)
+  assert float(jnp.max(jnp.abs(default - want))) > 1e-3

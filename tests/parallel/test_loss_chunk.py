@@ -19,29 +19,32 @@ import json, sys
 import jax, numpy as np
 from flax import nnx
 from common import experiments, parallel
-from common.train import losses as loss, trainer
+from common.train import trainer
+from common.train import optim
+from common.train import step as steps
 
 cfg = experiments.get_config("lm/shakespeare-char:smoke", {"train.batch_size": "8"})
 cfg.model.tie_embeddings = sys.argv[1] == "tied"
-tx = trainer.optimizer(cfg.optim, cfg.train.steps)
-graphdef, state = trainer.init_state(cfg, tx)
+tx = optim.optimizer(cfg.optim, cfg.train.steps)
+graphdef, state = steps.init_state(cfg, tx)
 rng = np.random.default_rng(0)
 B, T = 8, cfg.data.seq_len + 1
 batch = {"tokens": rng.integers(0, cfg.model.vocab_size, (B, T)).astype(np.int32),
          "segment_ids": np.where(np.arange(T) < T // 3, 1, 2).astype(np.int32)[None].repeat(B, 0)}
 flat = lambda g: {"/".join(map(str, k)): np.asarray(v).tolist() for k, v in nnx.to_flat_state(g)}
-total, count, grads = jax.jit(lambda p, b: trainer.sums_and_grads(p, b, graphdef=graphdef))(
+sums, grads = jax.jit(lambda p, b: steps.sums_and_grads(p, b, graphdef=graphdef))(
     state.params, batch)
+total = sums["total"]
 out = {"plain": {"total": float(total), "grads": flat(grads)}}
 for sizes in MESHES:
   layout = parallel.make_layout(dict(zip(("data", "fsdp", "tensor"), sizes)),
                                 jax.devices()[: int(np.prod(sizes))])
-  _, shardings = trainer.placed_abstract_state(cfg, tx, layout)
-  fn = jax.jit(lambda p, b, layout=layout: trainer.sharded_sums_and_grads(
-      p, b, graphdef=graphdef, layout=layout))
-  with loss.chunked(24):  # 24 does not divide a device's 8 / (data x fsdp) x 32 tokens
-    total, count, grads = fn(jax.device_put(state.params, shardings.params),
-                             trainer.put_batch(batch, layout))
+  _, shardings = steps.placed_abstract_state(cfg, tx, layout)
+  # 24 does not divide a device's 8 / (data x fsdp) x 32 tokens
+  fn = jax.jit(lambda p, b, layout=layout: steps.sharded_sums_and_grads(
+      p, b, graphdef=graphdef, layout=layout, loss_chunk=24))
+  sums, grads = fn(jax.device_put(state.params, shardings.params), steps.put_batch(batch, layout))
+  total = sums["total"]
   out[str(sizes)] = {"total": float(total), "grads": flat(grads)}
 print(json.dumps(out))
 """

@@ -13,15 +13,27 @@ from flax import nnx  # noqa: E402
 
 from common import experiments, models, parallel  # noqa: E402
 from common.nn import lora
-from common.train import trainer
+from common.train import optim
+from common.train import step as steps
 
 MESHES = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 4, 2), (1, 1, 2)]
 
 
+def sums_and_grads(*args, **kw):
+  """(total, count, grads) of `steps.sums_and_grads`."""
+  sums, grads = steps.sums_and_grads(*args, **kw)
+  return sums["total"], sums["count"], grads
+
+
+def sharded_sums_and_grads(*args, **kw):
+  sums, grads = steps.sharded_sums_and_grads(*args, **kw)
+  return sums["total"], sums["count"], grads
+
+
 def main(exp: str):
   cfg = experiments.get_config(exp, {"train.batch_size": "8"})
-  tx = trainer.optimizer(cfg.optim, cfg.train.steps)
-  graphdef, state = trainer.init_state(cfg, tx)
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  graphdef, state = steps.init_state(cfg, tx)
   rng = np.random.default_rng(0)
   B, T = cfg.train.batch_size, cfg.data.seq_len + 1
   tokens = rng.integers(0, cfg.model.vocab_size, (B, T)).astype(np.int32)
@@ -32,7 +44,7 @@ def main(exp: str):
   def flat(grads):
     return {"/".join(map(str, k)): np.asarray(v).tolist() for k, v in nnx.to_flat_state(grads)}
 
-  total, count, grads = jax.jit(lambda p, b: trainer.sums_and_grads(p, b, graphdef=graphdef))(
+  total, count, grads = jax.jit(lambda p, b: sums_and_grads(p, b, graphdef=graphdef))(
     state.params, batch
   )
   out = {"single": {"total": float(total), "count": float(count), "grads": flat(grads)}}
@@ -41,13 +53,11 @@ def main(exp: str):
     layout = parallel.make_layout(
       dict(zip(("data", "fsdp", "tensor"), sizes, strict=True)), jax.devices()[:n]
     )
-    _, shardings = trainer.placed_abstract_state(cfg, tx, layout)
+    _, shardings = steps.placed_abstract_state(cfg, tx, layout)
     params = jax.device_put(state.params, shardings.params)
-    placed = trainer.put_batch(batch, layout)
+    placed = steps.put_batch(batch, layout)
     fn = jax.jit(
-      lambda p, b, layout=layout: trainer.sharded_sums_and_grads(
-        p, b, graphdef=graphdef, layout=layout
-      )
+      lambda p, b, layout=layout: sharded_sums_and_grads(p, b, graphdef=graphdef, layout=layout)
     )
     total, count, grads = fn(params, placed)
     # Each parameter's placement, and how many bytes of it one device holds.
@@ -70,12 +80,10 @@ def main(exp: str):
     }
   # Gradient accumulation inside the sharded step: each device runs its rows in 2 slices.
   layout = parallel.make_layout({"data": 2, "fsdp": 2, "tensor": 2})
-  _, shardings = trainer.placed_abstract_state(cfg, tx, layout)
+  _, shardings = steps.placed_abstract_state(cfg, tx, layout)
   total, count, grads = jax.jit(
-    lambda p, b: trainer.sharded_sums_and_grads(
-      p, b, graphdef=graphdef, layout=layout, micro_batches=2
-    )
-  )(jax.device_put(state.params, shardings.params), trainer.put_batch(batch, layout))
+    lambda p, b: sharded_sums_and_grads(p, b, graphdef=graphdef, layout=layout, micro_batches=2)
+  )(jax.device_put(state.params, shardings.params), steps.put_batch(batch, layout))
   out["(2, 2, 2) micro_batches=2"] = {"total": float(total), "count": float(count)}
   out["(2, 2, 2) micro_batches=2"]["grads"] = flat(grads)
   # Scan over the layers (remat'd body) inside the sharded step: the per-layer gathers run in
@@ -84,8 +92,8 @@ def main(exp: str):
   scanned.scan, scanned.remat = True, "save_dots"
   scan_graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(scanned)))
   total, count, grads = jax.jit(
-    lambda p, b: trainer.sharded_sums_and_grads(p, b, graphdef=scan_graphdef, layout=layout)
-  )(jax.device_put(state.params, shardings.params), trainer.put_batch(batch, layout))
+    lambda p, b: sharded_sums_and_grads(p, b, graphdef=scan_graphdef, layout=layout)
+  )(jax.device_put(state.params, shardings.params), steps.put_batch(batch, layout))
   out["(2, 2, 2) scan"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
   # LoRA on every projection (column- and row-parallel, so the adapters' own gathers and psums
   # run): the gradient of the trained part only, base weights frozen, on (1, 4, 2).
@@ -98,7 +106,7 @@ def main(exp: str):
   lora_graphdef, lora_params = nnx.split(lora_model, nnx.Param)
   trained, frozen = nnx.split_state(lora_params, lora.trainable(lora_cfg), ...)
   total, count, grads = jax.jit(
-    lambda t, f, b: trainer.sums_and_grads(t, b, graphdef=lora_graphdef, frozen=f)
+    lambda t, f, b: sums_and_grads(t, b, graphdef=lora_graphdef, frozen=f)
   )(trained, frozen, batch)
   out["lora single"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
   layout = parallel.make_layout({"data": 1, "fsdp": 4, "tensor": 2})
@@ -107,20 +115,16 @@ def main(exp: str):
     return jax.device_put(x, layout.shardings(layout.param_specs(x)))
 
   total, count, grads = jax.jit(
-    lambda t, f, b: trainer.sharded_sums_and_grads(
-      t, b, graphdef=lora_graphdef, layout=layout, frozen=f
-    )
-  )(place(trained), place(frozen), trainer.put_batch(batch, layout))
+    lambda t, f, b: sharded_sums_and_grads(t, b, graphdef=lora_graphdef, layout=layout, frozen=f)
+  )(place(trained), place(frozen), steps.put_batch(batch, layout))
   out["(1, 4, 2) lora"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
   # Where the compiled step gathers the weights under fsdp=8, scanned: the all-gathers at the
   # top level of the program (ENTRY) and in all (bench/fsdp_gathers.py prints more).
   layout = parallel.make_layout({"data": 1, "fsdp": 8, "tensor": 1})
-  _, shardings = trainer.placed_abstract_state(cfg, tx, layout)
+  _, shardings = steps.placed_abstract_state(cfg, tx, layout)
   hlo = (
-    jax.jit(
-      lambda p, b: trainer.sharded_sums_and_grads(p, b, graphdef=scan_graphdef, layout=layout)
-    )
-    .lower(jax.device_put(state.params, shardings.params), trainer.put_batch(batch, layout))
+    jax.jit(lambda p, b: sharded_sums_and_grads(p, b, graphdef=scan_graphdef, layout=layout))
+    .lower(jax.device_put(state.params, shardings.params), steps.put_batch(batch, layout))
     .compile()
     .as_text()
   )

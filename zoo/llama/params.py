@@ -7,6 +7,7 @@ A torch Linear weight is [out, in], our kernel [in, out]: transposed. q/k/v/o st
 import ml_collections
 
 from common.errors import UserError
+from common.hub import keymap
 from common.hub.keymap import copy, linear, transpose
 from zoo.llama import model as llama
 
@@ -22,52 +23,6 @@ DEFAULTS = {
   "qwen2": dict(rms_norm_eps=1e-6, use_sliding_window=False, max_window_layers=28),
   "qwen3": dict(rms_norm_eps=1e-6, head_dim=128, attention_bias=False, use_sliding_window=False),
 }
-# HF rope_type -> the scaling fields we read (ours <- HF's).
-ROPE_FIELDS = {
-  "default": {},
-  "linear": {"factor": "factor"},
-  "llama3": {
-    "factor": "factor",
-    "low_freq_factor": "low_freq_factor",
-    "high_freq_factor": "high_freq_factor",
-    "original_max_len": "original_max_position_embeddings",
-  },
-  "yarn": {
-    "factor": "factor",
-    "original_max_len": "original_max_position_embeddings",
-    "beta_fast": "beta_fast",
-    "beta_slow": "beta_slow",
-  },
-}
-
-
-def _rope(hf: dict) -> tuple[float, dict]:
-  """RoPE theta and our scaling config from `rope_parameters` (transformers 5) or `rope_theta` +
-  `rope_scaling` (4.x)."""
-  params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-  theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10_000.0
-  kind = params.pop("rope_type", params.pop("type", "default"))
-  if kind not in ROPE_FIELDS:
-    raise UserError(f"RoPE type {kind!r} is not supported: use one of {sorted(ROPE_FIELDS)}.")
-  if kind in ("llama3", "yarn"):
-    params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
-  if kind == "yarn" and params.get("factor") is None:
-    params["factor"] = hf["max_position_embeddings"] / params["original_max_position_embeddings"]
-  scaling = {"kind": "none" if kind == "default" else kind}
-  for ours, theirs in ROPE_FIELDS[kind].items():
-    if params.get(theirs) is not None:
-      scaling[ours] = params.pop(theirs)
-  # Fields at their no-op values are fine; any other changes the frequencies.
-  unused = {
-    k: v
-    for k, v in params.items()
-    if v is not None
-    and not (k == "partial_rotary_factor" and v == 1.0)
-    and not (k == "truncate" and v is True)
-  }
-  if unused:
-    raise UserError(f"RoPE fields {unused} ({kind}) are not supported.")
-  return float(theta), scaling
 
 
 def _window(hf: dict, model_type: str) -> int:
@@ -106,7 +61,7 @@ def config_from_hf(hf: dict, names=()) -> ml_collections.ConfigDict:
     raise UserError(f"config.json ({model_type}) lacks {missing}.")
   if hf.get("hidden_act") not in (None, "silu"):
     raise UserError(f"hidden_act {hf['hidden_act']!r} is not supported: the Llama MLP is SwiGLU.")
-  theta, scaling = _rope(hf)
+  theta, scaling = keymap.rope_from_hf(hf)
   # Bias: Llama and Qwen3 put attention_bias on q, k, v and o; Qwen2 always on q, k, v only.
   attention_bias = model_type in ("llama", "qwen3") and hf["attention_bias"]
   cfg = llama.config(
@@ -150,6 +105,14 @@ def _misfits(model_type: str, cfg) -> list[str]:
     out.append("a sliding window")
   if att.softcap or att.mask != "causal" or cfg.position.kind != "rope":
     out.append("softcap, a bidirectional mask or a position encoding other than RoPE")
+  if (
+    (cfg.mlp.kind, cfg.mlp.activation, cfg.norm.kind) != ("dense", "swiglu", "rms")
+    or cfg.norm.offset
+    or att.scale
+    or (cfg.norm_placement, cfg.embed_scale, cfg.final_softcap) != ("pre", False, 0.0)
+    or cfg.layer_pattern
+  ):
+    out.append("a stack other than Llama's (MLP, norms, scale, soft-cap or layer pattern)")
   return out
 
 
@@ -163,11 +126,9 @@ def config_to_hf(cfg, model_type: str | None = None) -> dict:
   if model_type is None:
     raise UserError(f"No HF Llama-family model has {'; '.join(_misfits('llama', cfg))}.")
   att, mlp_bias = cfg.attention, cfg.mlp.use_bias
+  rope = keymap.rope_to_hf(cfg.position)
+  kind = cfg.position.scaling.kind
   scaling = cfg.position.scaling.to_dict()
-  kind = scaling.pop("kind")
-  rope = {"rope_type": "default" if kind == "none" else kind}
-  for ours, theirs in ROPE_FIELDS[rope["rope_type"]].items():
-    rope[theirs] = scaling[ours]
   hf = {
     "architectures": [
       {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
@@ -188,8 +149,10 @@ def config_to_hf(cfg, model_type: str | None = None) -> dict:
     "torch_dtype": cfg.param_dtype,
     # Both spellings: transformers 5 reads rope_parameters, 4.x rope_theta and rope_scaling.
     "rope_theta": cfg.position.theta,
-    "rope_parameters": {"rope_theta": cfg.position.theta, **rope},
-    "rope_scaling": None if kind == "none" else rope,
+    "rope_parameters": rope,
+    "rope_scaling": (
+      None if kind == "none" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    ),
   }
   if kind == "yarn":  # HF checks the factor against max_position_embeddings / original
     hf["max_position_embeddings"] = int(scaling["original_max_len"] * scaling["factor"])

@@ -1,0 +1,62 @@
+"""The trainer's settings, declared once: every key of `train` and `optim` with its default, so
+every experiment accepts every trainer key and an experiment file sets only what differs."""
+
+import ml_collections
+
+from common.errors import UserError, suggest
+
+TRAIN = {
+  "steps": 1000,
+  "batch_size": 32,
+  "log_every": 10,
+  "eval_every": 0,  # 0: evaluate at the last step only (if the data has a held-out split)
+  "eval_batches": 0,  # 0: every held-out batch
+  "checkpoint_every": 1000,
+  "keep_checkpoints": 3,
+  "nonfinite": "skip",  # a NaN/inf loss or gradient: skip that update and count it, or "stop"
+  "micro_batches": 1,  # gradient accumulation: the batch run in this many slices
+  "loss_chunk": 0,  # > 0: the output head and loss run this many tokens at a time
+}
+OPTIM = {
+  "lr": 3e-4,
+  "warmup_steps": 100,
+  "schedule": "cosine",  # or "linear", "constant" (after the linear warm-up)
+  "min_lr_ratio": 0.1,  # the decay ends at lr * min_lr_ratio
+  "b1": 0.9,
+  "b2": 0.95,
+  "eps": 1e-8,
+  "weight_decay": 0.1,  # AdamW's decoupled decay, on matrices only
+  "clip_norm": 1.0,  # global gradient norm; 0: no clipping
+}
+
+
+def _make(group: str, defaults: dict, overrides: dict) -> ml_collections.ConfigDict:
+  unknown = [k for k in overrides if k not in defaults]
+  if unknown:
+    raise UserError(
+      f"{group} has no key {unknown[0]!r}.{suggest(unknown[0], defaults)} Its keys: "
+      f"{', '.join(defaults)}."
+    )
+  return ml_collections.ConfigDict({**defaults, **overrides})
+
+
+def train(**overrides) -> ml_collections.ConfigDict:
+  """The `train` config: TRAIN's defaults with `overrides`."""
+  return _make("train", TRAIN, overrides)
+
+
+def optim(**overrides) -> ml_collections.ConfigDict:
+  """The `optim` config: OPTIM's defaults with `overrides`."""
+  return _make("optim", OPTIM, overrides)
+
+
+def complete(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`cfg` with every trainer key it lacks at its default (an experiment file written before a
+  key existed, or one that builds its own dicts, still accepts every override)."""
+  for group, defaults in (("train", TRAIN), ("optim", OPTIM)):
+    if group not in cfg:
+      cfg[group] = ml_collections.ConfigDict()
+    for key, value in defaults.items():
+      if key not in cfg[group]:
+        cfg[group][key] = value
+  return cfg

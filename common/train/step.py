@@ -1,0 +1,195 @@
+"""The pure step functions at the centre of the trainer, and the train state they work on.
+
+`train_step(state, batch) -> (state, metrics)`: the task loss's gradient (under `jax.shard_map`
+when there is a mesh), the fused AdamW update, the non-finite guard. `eval_step` sums a held-out
+batch's loss. `make_train_step` is the one jitted step `zoo run` runs (and `zoo plan` compiles).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from common import models, parallel
+from common.nn import aux, lora
+from common.train import faults, losses
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+  step: jax.Array
+  params: nnx.State
+  opt_state: optax.OptState
+  rng: jax.Array  # raw key data (uint32), so orbax saves it as a plain array
+
+
+def sums_and_grads(
+  params, batch: dict, *, graphdef, micro_batches: int = 1, frozen=None, loss_chunk: int = 0
+) -> tuple[dict, nnx.State]:
+  """The batch's summed task loss (`total`), the number of targets it sums over (`count`) and
+  the mean of each auxiliary loss the layers added (`aux`, common/nn/aux.py), with the gradient
+  of total + count * sum(weight * aux) with respect to `params` (`frozen`: parameters the model
+  also uses, not differentiated). With micro_batches > 1 the batch is cut into that many slices
+  run one after another (gradient accumulation: the activations of one slice are alive at a
+  time); the sums are the same."""
+  frozen = () if frozen is None else (frozen,)
+
+  def objective(params, batch):
+    with aux.collect() as entries:
+      total, count = losses.task_sums(
+        nnx.merge(graphdef, params, *frozen), batch, loss_chunk=loss_chunk
+      )
+    # The auxiliary losses are means: weighted by the targets so that, summed over devices and
+    # divided by all the targets, each adds its own weight * mean to the mean loss.
+    objective = total + count * aux.weighted_sum(entries) if entries else total
+    return objective, {"total": total, "count": count, "aux": aux.means(entries)}
+
+  grad_fn = jax.grad(objective, has_aux=True)
+  micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
+  # The first slice starts the sums (so they carry the same sharding types as the rest).
+  grads, sums = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
+  if micro_batches == 1:
+    return sums, grads
+
+  def add(acc, one_batch):
+    grads, sums = grad_fn(params, one_batch)
+    return jax.tree.map(jnp.add, acc, (sums, grads)), None
+
+  sums, grads = jax.lax.scan(add, (sums, grads), jax.tree.map(lambda x: x[1:], micro))[0]
+  sums["aux"] = {k: v / micro_batches for k, v in sums["aux"].items()}
+  return sums, grads
+
+
+def sharded_sums_and_grads(
+  params, batch: dict, *, graphdef, layout: parallel.Layout, frozen=None, **kw
+) -> tuple[dict, nnx.State]:
+  """`sums_and_grads` under shard_map: each device runs its batch shard with its parameter
+  shards; the shared layers gather and reduce (see common/parallel.py)."""
+  specs = layout.param_specs(params)
+  frozen = nnx.State({}) if frozen is None else frozen
+
+  def local(params, frozen, batch):
+    with parallel.active(layout):
+      sums, grads = sums_and_grads(params, batch, graphdef=graphdef, frozen=frozen, **kw)
+    sums = {
+      "total": jax.lax.psum(sums["total"], parallel.BATCH_AXES),
+      "count": jax.lax.psum(sums["count"], parallel.BATCH_AXES),
+      "aux": jax.tree.map(lambda v: jax.lax.pmean(v, parallel.BATCH_AXES), sums["aux"]),
+    }
+    return sums, grads
+
+  return jax.shard_map(
+    local,
+    mesh=layout.mesh,
+    in_specs=(specs, layout.param_specs(frozen), layout.batch_spec),
+    out_specs=(parallel.P(), specs),
+    check_vma=True,
+  )(params, frozen, batch)
+
+
+def train_step(
+  state: TrainState,
+  batch: dict,
+  *,
+  graphdef,
+  tx,
+  layout: parallel.Layout | None = None,
+  micro_batches: int = 1,
+  trainable=nnx.Param,
+  loss_chunk: int = 0,
+) -> tuple[TrainState, dict]:
+  # Only the trained part is differentiated and updated (all of it, unless LoRA freezes some).
+  trained, frozen = nnx.split_state(state.params, trainable, ...)
+  kw = dict(graphdef=graphdef, micro_batches=micro_batches, frozen=frozen, loss_chunk=loss_chunk)
+  if layout is None:
+    sums, grads = sums_and_grads(trained, batch, **kw)
+  else:
+    sums, grads = sharded_sums_and_grads(trained, batch, layout=layout, **kw)
+  # The gradients are of the summed loss: the optimizer scales them by 1/count as it reads them
+  # (common/train/optim.py), so the mean gradient is never stored.
+  count = jnp.maximum(sums["count"], 1.0)
+  loss, grad_norm = sums["total"] / count, optax.tree.norm(grads) / count
+  # A non-finite loss or gradient leaves params and optimizer state as they were (the step still
+  # counts); train.nonfinite says, outside the step, whether the run goes on (faults.NonFinite).
+  ok = faults.finite(loss, grad_norm)
+  updates, opt_state = tx.update(
+    grads, state.opt_state, trained, grad_scale=1 / count, grad_norm=grad_norm, apply=ok
+  )
+  params = nnx.merge_state(optax.apply_updates(trained, updates), frozen)
+  skipped = jnp.logical_not(ok).astype(jnp.int32)
+  metrics = {"loss": loss, "grad_norm": grad_norm, "targets": count, "skipped": skipped}
+  metrics.update(sums["aux"])
+  return TrainState(state.step + 1, params, opt_state, state.rng), metrics
+
+
+def eval_step(params, batch: dict, *, graphdef) -> dict:
+  """Summed loss and count (and, for a classifier, correct predictions) of one batch."""
+  model = nnx.merge(graphdef, params)
+  if "labels" not in batch:
+    total, count = losses.loss_sums(model, batch)
+    return {"total": total, "count": count}
+  logits_BC, ce_B, weights_B = losses.classify_rows(model, batch)
+  right_B = (jnp.argmax(logits_BC, -1) == batch["labels"]).astype(jnp.float32)
+  return {
+    "total": jnp.sum(ce_B * weights_B),
+    "count": jnp.sum(weights_B),
+    "correct": jnp.sum(right_B * weights_B),
+  }
+
+
+# The state: fresh, abstract (shapes only) and placed on the mesh
+
+
+def init_state(cfg, tx) -> tuple[nnx.GraphDef, TrainState]:
+  model = models.build(cfg.model, seed=cfg.seed)
+  graphdef, params = nnx.split(model, nnx.Param)
+  rng = jax.random.key_data(jax.random.key(cfg.seed + 1))
+  trained = nnx.state(model, lora.trainable(cfg.model))  # the optimizer holds state for these
+  return graphdef, TrainState(jnp.zeros((), jnp.int32), params, tx.init(trained), rng)
+
+
+def abstract_state(cfg, tx) -> TrainState:
+  return jax.eval_shape(lambda: init_state(cfg, tx)[1])
+
+
+def placed_abstract_state(cfg, tx, layout: parallel.Layout | None):
+  """The abstract train state with each leaf's sharding, and those shardings (one device:
+  everything on the default device)."""
+  abstract = abstract_state(cfg, tx)
+  if layout is None:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, abstract)
+  else:
+    shardings = layout.shardings(layout.param_specs(abstract))
+  placed = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+  )
+  return placed, shardings
+
+
+def put_batch(batch: dict, layout: parallel.Layout | None) -> dict:
+  """This process's rows of the global batch, as global arrays split over data x fsdp."""
+  if layout is None:
+    return batch
+  sharding = parallel.NamedSharding(layout.mesh, layout.batch_spec)
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def make_train_step(cfg, *, tx, layout: parallel.Layout | None, shardings):
+  """The jitted train step of `cfg` (the state donated, placed as `shardings`): what `zoo run`
+  runs and `zoo plan` compiles for other hardware."""
+  graphdef = nnx.graphdef(models.abstract(cfg.model))
+  step = functools.partial(
+    train_step,
+    graphdef=graphdef,
+    tx=tx,
+    layout=layout,
+    micro_batches=cfg.train.micro_batches,
+    trainable=lora.trainable(cfg.model),
+    loss_chunk=cfg.train.loss_chunk,
+  )
+  return jax.jit(step, donate_argnums=0, out_shardings=(shardings, None))
