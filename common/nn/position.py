@@ -22,7 +22,9 @@ ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 
 def config(kind: str = "rope", **kw) -> ml_collections.ConfigDict:
-  """A position sub-config. rope: theta, scaling; learned: max_len; alibi and none: nothing."""
+  """A position sub-config. rope: theta, scaling; learned: max_len; relative (T5): num_buckets,
+  max_distance, bidirectional (True in an encoder, False in a causal decoder); alibi and none:
+  nothing."""
   if kind == "rope":
     cfg = {"kind": "rope", "theta": kw.pop("theta", 10_000.0), "scaling": rope_scaling("none")}
     if "scaling" in kw:
@@ -31,8 +33,15 @@ def config(kind: str = "rope", **kw) -> ml_collections.ConfigDict:
     cfg = {"kind": "learned", "max_len": kw.pop("max_len")}
   elif kind in ("alibi", "none"):
     cfg = {"kind": kind}
+  elif kind == "relative":
+    cfg = {
+      "kind": "relative",
+      "num_buckets": kw.pop("num_buckets", 32),
+      "max_distance": kw.pop("max_distance", 128),
+      "bidirectional": kw.pop("bidirectional", True),
+    }
   else:
-    raise UserError(f"Unknown position kind {kind!r}: use rope, alibi, learned or none.")
+    raise UserError(f"Unknown position kind {kind!r}: use rope, alibi, learned, relative or none.")
   if kw:
     raise UserError(f"Position kind {kind!r} takes no {sorted(kw)}.")
   return ml_collections.ConfigDict(cfg)
@@ -166,16 +175,106 @@ class Learned(Position):
     return x_BTD + jnp.take(table, positions_BT, axis=0).astype(x_BTD.dtype)
 
 
-def make(cfg, *, head_dim: int, dim: int, param_dtype=jnp.float32, rngs: nnx.Rngs) -> Position:
+def relative_position_bucket(
+  relative_position, *, bidirectional: bool, num_buckets: int, max_distance: int
+) -> jax.Array:
+  """T5's bucket of each relative position (key - query), as transformers'
+  `T5Attention._relative_position_bucket`: exact buckets for small distances, logarithmic ones
+  up to `max_distance`, one bucket beyond; a bidirectional table gives half its buckets to keys
+  after the query, a causal one sees only keys at or before it."""
+  relative_position = jnp.asarray(relative_position, jnp.int32)
+  buckets = jnp.zeros_like(relative_position)
+  if bidirectional:
+    num_buckets //= 2
+    buckets = buckets + (relative_position > 0).astype(jnp.int32) * num_buckets
+    distance = jnp.abs(relative_position)
+  else:
+    distance = -jnp.minimum(relative_position, 0)
+  max_exact = num_buckets // 2
+  is_small = distance < max_exact
+  # float32 in the same order as torch, so a distance on a bucket boundary rounds the same way;
+  # the maximum keeps log(0) (a small distance, not taken) finite.
+  ratio = jnp.maximum(distance, 1).astype(jnp.float32) / max_exact
+  log_ratio = jnp.log(ratio) / jnp.float32(math.log(max_distance / max_exact))
+  large = max_exact + (log_ratio * (num_buckets - max_exact)).astype(jnp.int32)
+  large = jnp.minimum(large, num_buckets - 1)
+  return buckets + jnp.where(is_small, distance, large)
+
+
+class RelativeBias(Position):
+  """T5's learned relative position bias: a table [buckets, N] added to the attention logits
+  by the bucket of key position - query position. The table has HF's layout
+  (`relative_attention_bias.weight`, copied as is); one instance serves every layer, as in T5,
+  where only the first layer owns it."""
+
+  def __init__(
+    self,
+    num_heads: int,
+    *,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+    bidirectional: bool = True,
+    init_std: float = 0.02,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
+  ):
+    self.num_heads, self.num_buckets = num_heads, num_buckets
+    self.max_distance, self.bidirectional = max_distance, bidirectional
+    self.table = nnx.Param(
+      normal(init_std)(rngs.params(), (num_buckets, num_heads), param_dtype), axes=(None, "NH")
+    )
+
+  def logit_bias(self, q_pos_BT, k_pos_BS, num_heads):
+    """The bias [B, N, T, S] for all heads (attention keeps its own heads' slice)."""
+    table = self.table[...]  # [buckets, N]
+    if parallel.tensor_split("NH"):
+      # Stored split over tensor; all heads are gathered because attention slices the bias.
+      table = jax.lax.all_gather(table, "tensor", axis=1, tiled=True)
+    relative_BTS = k_pos_BS[:, None, :] - q_pos_BT[:, :, None]
+    buckets_BTS = relative_position_bucket(
+      relative_BTS,
+      bidirectional=self.bidirectional,
+      num_buckets=self.num_buckets,
+      max_distance=self.max_distance,
+    )
+    bias_BTSN = jnp.take(table, buckets_BTS, axis=0).astype(jnp.float32)
+    return jnp.transpose(bias_BTSN, (0, 3, 1, 2))
+
+
+def make(
+  cfg,
+  *,
+  head_dim: int,
+  dim: int,
+  num_heads: int | None = None,
+  param_dtype=jnp.float32,
+  rngs: nnx.Rngs,
+) -> Position:
   if cfg.kind == "rope":
     return RoPE(head_dim, theta=cfg.theta, scaling=cfg.scaling)
   if cfg.kind == "alibi":
     return ALiBi()
   if cfg.kind == "learned":
     return Learned(cfg.max_len, dim, param_dtype=param_dtype, rngs=rngs)
+  if cfg.kind == "relative":
+    if num_heads is None:
+      raise UserError(
+        "Position kind 'relative' learns a bias per head: pass num_heads to position.make."
+      )
+    return RelativeBias(
+      num_heads,
+      num_buckets=cfg.num_buckets,
+      max_distance=cfg.max_distance,
+      bidirectional=cfg.bidirectional,
+      init_std=dim**-0.5,
+      param_dtype=param_dtype,
+      rngs=rngs,
+    )
   if cfg.kind == "none":
     return Position()
-  raise UserError(f"Unknown position kind {cfg.kind!r}: use rope, alibi, learned or none.")
+  raise UserError(
+    f"Unknown position kind {cfg.kind!r}: use rope, alibi, learned, relative or none."
+  )
 
 
 def positions_from_segments(segment_ids_BT: jax.Array) -> jax.Array:

@@ -1,0 +1,229 @@
+"""Image data: scikit-learn's digits or a user's .npz arrays as grain batches, and captions.
+
+Batches are {"images": [B, H, W, C] float32 in [0, 1], "labels": [B] int32, "weights": [B]
+float32} (weight 0: a padding row of the last eval batch), plus "captions": [B] int32 (which of
+`captions(label)` describes each image) when the iterator is asked for them. The training
+iterator is a grain DatasetIterator, whose state goes into the checkpoint as the text one's does
+(common/data/pipeline.py): a resumed run sees exactly the batches, shifts included, it would have
+seen.
+"""
+
+import os
+
+import grain
+import ml_collections
+import numpy as np
+
+from common.data import pipeline
+from common.errors import UserError
+
+KINDS = ("digits", "files")
+AUGMENTS = ("none", "shift")
+DIGITS_HELD_OUT = 360  # the last 360 of the 1,797 digits: indices 1437..1796
+
+
+def config(**kw) -> ml_collections.ConfigDict:
+  """An image data sub-config. kind: "digits" (scikit-learn's 8x8 digits, the last 360 held
+  out) or "files" (.npz files with `images` and `labels`, comma-separated paths or globs);
+  augment: "shift" (random shifts of up to max_shift pixels, training only) or "none"."""
+  cfg = {
+    "kind": "digits",
+    "train_files": "",
+    "eval_files": "",  # "": no eval split (kind "files")
+    "augment": "shift",
+    "max_shift": 1,
+  }
+  unknown = set(kw) - set(cfg)
+  if unknown:
+    raise UserError(f"Unknown image data keys {sorted(unknown)}; known: {sorted(cfg)}.")
+  cfg.update(kw)
+  return ml_collections.ConfigDict(cfg)
+
+
+# Sources
+
+
+class Images:
+  """A grain random-access source over images [N, H, W, C] and labels [N]."""
+
+  def __init__(self, images: np.ndarray, labels: np.ndarray, name: str):
+    self.images, self.labels, self.name = images, labels, name
+
+  def __len__(self):
+    return len(self.images)
+
+  def __getitem__(self, i):
+    return {"images": self.images[i], "labels": self.labels[i]}
+
+  def __repr__(self):  # stable: grain keys the iterator state on it
+    return f"Images({self.name}, {len(self)})"
+
+
+def digits() -> tuple[np.ndarray, np.ndarray]:
+  """All 1,797 digits: images [N, 8, 8, 1] float32 in [0, 1] (pixel / 16), labels [N] int32."""
+  try:
+    from sklearn.datasets import load_digits
+  except ImportError:
+    raise UserError("The digits come with scikit-learn: run `pip install scikit-learn`.") from None
+  d = load_digits()
+  return (d.images[..., None] / 16.0).astype(np.float32), d.target.astype(np.int32)
+
+
+def read_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
+  """`images` [N, H, W] or [N, H, W, C] (uint8 0..255, or floats in [0, 1]) and `labels` [N]."""
+  try:
+    with np.load(path) as f:
+      missing = [k for k in ("images", "labels") if k not in f]
+      if missing:
+        raise UserError(f"{path} has no {' or '.join(missing)} array (it has {sorted(f)}).")
+      images, labels = f["images"], f["labels"]
+  except (OSError, ValueError) as e:  # not a zip / npz file, or a pickled object array
+    raise UserError(f"{path} is not an .npz file of arrays ({e}).") from None
+  if images.ndim == 3:
+    images = images[..., None]
+  if images.ndim != 4 or labels.shape != (len(images),):
+    raise UserError(
+      f"{path}: images must be [N, H, W] or [N, H, W, C] and labels [N]; got "
+      f"{images.shape} and {labels.shape}."
+    )
+  if not np.issubdtype(labels.dtype, np.integer) or (labels < 0).any():
+    raise UserError(f"{path}: labels must be class indices (integers >= 0).")
+  if images.dtype == np.uint8:
+    images = images / 255.0
+  elif not np.issubdtype(images.dtype, np.floating):
+    raise UserError(
+      f"{path}: images must be uint8 (0..255) or floats in [0, 1], not {images.dtype}."
+    )
+  elif images.size and (images.min() < 0 or images.max() > 1):
+    raise UserError(
+      f"{path}: float images must lie in [0, 1] (found {images.min()}..{images.max()}): scale "
+      "them, or save them as uint8."
+    )
+  return images.astype(np.float32), labels.astype(np.int32)
+
+
+def read_files(patterns: str, key: str) -> tuple[np.ndarray, np.ndarray]:
+  files = pipeline.expand_files(patterns, key)
+  parts = [read_npz(f) for f in files]
+  shapes = {p[0].shape[1:] for p in parts}
+  if len(shapes) > 1:
+    raise UserError(f"The files of {key} hold images of different shapes {sorted(shapes)}.")
+  return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def load_split(cfg, split: str) -> Images | None:
+  """The images of `split` ("train" or "eval"); None when the config has no such split."""
+  if cfg.kind == "digits":
+    images, labels = digits()
+    cut = len(images) - DIGITS_HELD_OUT
+    part = slice(cut, None) if split == "eval" else slice(None, cut)
+    return Images(images[part], labels[part], f"digits:{split}")
+  if cfg.kind == "files":
+    patterns = cfg.train_files if split == "train" else cfg.eval_files
+    if split == "eval" and not patterns:
+      return None
+    images, labels = read_files(patterns, f"data.{split}_files")
+    name = ",".join(os.path.basename(f) for f in pipeline.expand_files(patterns))
+    return Images(images, labels, f"files:{split}:{name}")
+  raise UserError(f"Unknown image data kind {cfg.kind!r}: use one of {KINDS}.")
+
+
+# Augmentation and iterators
+
+
+def shift(image_HWC: np.ndarray, dy: int, dx: int) -> np.ndarray:
+  """The image moved dy pixels down and dx right; what leaves the frame is lost, what enters
+  is background (0)."""
+  H, W = image_HWC.shape[:2]
+  out = np.zeros_like(image_HWC)
+  out[max(dy, 0) : H + min(dy, 0), max(dx, 0) : W + min(dx, 0)] = image_HWC[
+    max(-dy, 0) : H + min(-dy, 0), max(-dx, 0) : W + min(-dx, 0)
+  ]
+  return out
+
+
+def train_iterator(
+  source: Images,
+  *,
+  batch_size: int,
+  seed: int,
+  augment: str = "shift",
+  max_shift: int = 1,
+  num_captions: int = 0,
+) -> grain.DatasetIterator:
+  """Endless shuffled global batches (reshuffled each epoch), this process's share of each.
+  augment="shift" moves each image by up to max_shift pixels each way; num_captions > 0 picks
+  one caption per image (the "captions" entry, an index into `captions(label)`). Both are drawn
+  per position in the stream, so each epoch draws anew and a restored iterator draws the same."""
+  if augment not in AUGMENTS:
+    raise UserError(f"Unknown augment {augment!r}: use one of {AUGMENTS}.")
+  if len(source) < batch_size:
+    raise UserError(
+      f"The training data has {len(source)} images, fewer than train.batch_size={batch_size}: "
+      "give more images or lower the batch size."
+    )
+  share = pipeline.process_slice(batch_size)
+
+  def draw(example, rng: np.random.Generator):
+    image = example["images"]
+    if augment == "shift" and max_shift:
+      dy, dx = rng.integers(-max_shift, max_shift + 1, size=2)
+      image = shift(image, int(dy), int(dx))
+    out = {"images": image, "labels": example["labels"], "weights": np.float32(1.0)}
+    if num_captions:
+      out["captions"] = np.int32(rng.integers(num_captions))
+    return out
+
+  draw_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])  # not the shuffle's
+  ds = (
+    grain.MapDataset.source(source)
+    .shuffle(seed=seed)
+    .repeat()
+    .random_map(draw, seed=draw_seed)
+    .batch(batch_size, drop_remainder=True)
+    .map(lambda batch: {k: v[share] for k, v in batch.items()})
+  )
+  return iter(ds)
+
+
+def eval_batches(source: Images, *, batch_size: int, max_batches: int = 0):
+  """The held-out images in order, never augmented; the last batch padded with weight-0 rows."""
+  starts = range(0, len(source), batch_size)
+  if max_batches:
+    starts = list(starts)[:max_batches]
+  share = pipeline.process_slice(batch_size)
+  for start in starts:
+    images = source.images[start : start + batch_size]
+    labels = source.labels[start : start + batch_size]
+    batch = {"images": images, "labels": labels, "weights": np.ones(len(images), np.float32)}
+    short = batch_size - len(images)
+    if short:
+      batch = {k: np.pad(v, [(0, short)] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
+    yield {k: v[share] for k, v in batch.items()}
+
+
+# Captions (CLIP)
+
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+CAPTION_TEMPLATES = (
+  "a photo of the number {word}",
+  "a handwritten {digit}",
+  "a drawing of the digit {word}",
+  "the number {word}, written by hand",
+  "a small blurry image of a {digit}",
+  "a scan of a handwritten {word}",
+)
+ZERO_SHOT_TEMPLATE = CAPTION_TEMPLATES[0]
+
+
+def captions(label: int) -> list[str]:
+  """Every caption of a digit, one per template: "a photo of the number seven", "a handwritten
+  7", ..."""
+  if not 0 <= label < len(NUMBER_WORDS):
+    raise UserError(f"Digit label {label} is not in 0..9.")
+  return [t.format(word=NUMBER_WORDS[label], digit=label) for t in CAPTION_TEMPLATES]
+
+
+def class_prompts(template: str = ZERO_SHOT_TEMPLATE) -> list[str]:
+  """One prompt per class, in label order, for zero-shot classification."""
+  return [template.format(word=w, digit=d) for d, w in enumerate(NUMBER_WORDS)]

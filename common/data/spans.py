@@ -1,0 +1,152 @@
+"""T5's span corruption: spans of a token row replaced by sentinels, the decoder predicting them.
+
+After Raffel et al. (2020) and `random_spans_noise_mask`, `noise_span_to_unique_sentinel` and
+`random_spans_helper` in google-research/text-to-text-transfer-transformer's preprocessors.py:
+about `noise_density` of a row's tokens, in spans of mean length `mean_span`, are each replaced
+by one sentinel; the targets are the sentinels each followed by the span it replaced:
+
+  row      a b c d e f g h
+  inputs   a b <0> e f <1> h EOS         (<0> = vocab_size - 1, <1> = vocab_size - 2, ...)
+  targets  <0> c d <1> g EOS
+
+(The row starts with kept tokens and ends with a dropped span, as in T5; a row of `lengths()`
+tokens fills the inputs and targets exactly, a shorter one is padded with `pad_id`, segment 0.)
+"""
+
+import numpy as np
+
+from common.errors import UserError
+
+
+def lengths(inputs_length: int, *, noise_density: float = 0.15, mean_span: float = 3.0):
+  """(tokens_length, targets_length): the longest raw row whose corrupted inputs, one EOS
+  included, fit `inputs_length`, and the length of its targets (EOS included), as T5's
+  `random_spans_helper` (which, unlike its own noise mask, forgets the floor of one noise token
+  and one span; that matters for tiny lengths only). Both counts grow with the row, so a shorter
+  row fits the same lengths."""
+
+  def corrupted(tokens_length):  # the counts of `noise_mask`
+    noise = min(max(int(round(tokens_length * noise_density)), 1), tokens_length - 1)
+    spans = max(int(round(noise / mean_span)), 1)
+    return tokens_length - noise + spans + 1, noise + spans + 1
+
+  if not 0 < noise_density < 1 or mean_span < 1 or inputs_length < 2:
+    raise UserError(
+      f"Span corruption needs 0 < noise_density < 1 (got {noise_density}), mean_span >= 1 "
+      f"(got {mean_span}) and an inputs length of at least 2 (got {inputs_length})."
+    )
+  tokens_length = inputs_length - 1
+  while corrupted(tokens_length + 1)[0] <= inputs_length:
+    tokens_length += 1
+  targets_length = corrupted(tokens_length)[1]
+  # T5's own adjustment: at density 0.5 keep the targets no longer than the inputs.
+  if noise_density == 0.5 and targets_length > inputs_length:
+    tokens_length, targets_length = tokens_length - 1, targets_length - 1
+  return tokens_length, targets_length
+
+
+def _segment_lengths(num_items: int, num_segments: int, rng: np.random.Generator) -> np.ndarray:
+  """`num_items` cut at random into `num_segments` non-empty parts, their lengths in order."""
+  first = np.zeros(num_items - 1, np.int64)
+  first[: num_segments - 1] = 1
+  rng.shuffle(first)
+  segment_id = np.concatenate([[0], np.cumsum(first)])
+  return np.bincount(segment_id, minlength=num_segments)
+
+
+def noise_mask(
+  length: int, rng: np.random.Generator, *, noise_density: float = 0.15, mean_span: float = 3.0
+) -> np.ndarray:
+  """A bool [length], True on dropped tokens: round(length * noise_density) of them (at least 1,
+  at most length - 1) in round(noise / mean_span) spans (at least 1), alternating with kept
+  spans, the first span kept."""
+  orig_length, length = length, max(length, 2)
+  num_noise = min(max(int(round(length * noise_density)), 1), length - 1)
+  num_spans = max(int(round(num_noise / mean_span)), 1)
+  noise_lengths = _segment_lengths(num_noise, num_spans, rng)
+  kept_lengths = _segment_lengths(length - num_noise, num_spans, rng)
+  interleaved = np.stack([kept_lengths, noise_lengths], axis=1).reshape(-1)
+  is_noise = np.repeat(np.tile([False, True], num_spans), interleaved)
+  return is_noise[:orig_length]
+
+
+def _sentinel_spans(tokens_T: np.ndarray, drop_T: np.ndarray, vocab_size: int) -> np.ndarray:
+  """Each run of dropped tokens replaced by one sentinel: vocab_size - 1 for the first run,
+  vocab_size - 2 for the next, ..."""
+  previous = np.concatenate([[False], drop_T[:-1]])
+  starts = drop_T & ~previous
+  sentinels = vocab_size - np.cumsum(starts)
+  out = np.where(starts, sentinels, tokens_T)
+  return out[~(drop_T & previous)]
+
+
+def corrupt(
+  tokens_T: np.ndarray,
+  mask_T: np.ndarray,
+  *,
+  vocab_size: int,
+  eos_id: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+  """(inputs, targets) of a row under a noise mask, unpadded, each ending in `eos_id` if given.
+  `vocab_size` is the tokenizer's, sentinels included (T5: 32,100, so <extra_id_0> = 32,099),
+  not a model's padded vocab (T5's 32,128)."""
+  tokens_T = np.asarray(tokens_T)
+  num_spans = int(np.sum(mask_T & ~np.concatenate([[False], mask_T[:-1]])))
+  if len(tokens_T) and tokens_T.max() >= vocab_size - num_spans:
+    raise UserError(
+      f"Token id {int(tokens_T.max())} is one of the sentinel ids (the top {num_spans} of "
+      f"vocab_size={vocab_size}): span corruption needs a vocabulary with room above the "
+      "tokenizer's ids, e.g. model.vocab_size = tokenizer vocab + 100 (T5's 100 extra ids)."
+    )
+  inputs = _sentinel_spans(tokens_T, mask_T, vocab_size)
+  targets = _sentinel_spans(tokens_T, ~mask_T, vocab_size)
+  if eos_id is not None:
+    inputs, targets = np.append(inputs, eos_id), np.append(targets, eos_id)
+  return inputs.astype(np.int32), targets.astype(np.int32)
+
+
+def corrupt_row(
+  tokens_T: np.ndarray,
+  rng: np.random.Generator,
+  *,
+  vocab_size: int,
+  inputs_length: int,
+  noise_density: float = 0.15,
+  mean_span: float = 3.0,
+  eos_id: int | None = None,
+  pad_id: int = 0,
+) -> dict:
+  """One row's {"inputs", "input_segment_ids", "targets", "target_segment_ids"}, padded to
+  `inputs_length` and the targets length of `lengths()` (segment ids 1 = token, 0 = padding).
+  The row may be at most `lengths(inputs_length)[0]` tokens long. A grain `random_map`
+  transform as it stands (with the keywords bound)."""
+  tokens_length, targets_length = lengths(
+    inputs_length, noise_density=noise_density, mean_span=mean_span
+  )
+  tokens_T = np.asarray(tokens_T)
+  if len(tokens_T) > tokens_length:
+    raise UserError(
+      f"A row of {len(tokens_T)} tokens is longer than the {tokens_length} whose corruption "
+      f"fits inputs_length={inputs_length}: cut rows to spans.lengths(...)[0] tokens."
+    )
+  mask = noise_mask(len(tokens_T), rng, noise_density=noise_density, mean_span=mean_span)
+  inputs, targets = corrupt(tokens_T, mask, vocab_size=vocab_size, eos_id=eos_id)
+  out = {}
+  for name, seq, size in (("input", inputs, inputs_length), ("target", targets, targets_length)):
+    padded = np.full(size, pad_id, np.int32)
+    segments = np.zeros(size, np.int32)
+    if len(seq) > size:  # not for rows up to tokens_length (see `lengths`); never cut a token
+      raise UserError(
+        f"The corrupted {name}s of a {len(tokens_T)}-token row need {len(seq)} slots, more than "
+        f"{size}: use rows of exactly spans.lengths(...)[0] tokens."
+      )
+    padded[: len(seq)], segments[: len(seq)] = seq, 1
+    out[f"{name}s"], out[f"{name}_segment_ids"] = padded, segments
+  return out
+
+
+def corrupt_rows(rows_RT: np.ndarray, *, seed: int, **kw) -> dict:
+  """`corrupt_row` over rows [R, T], row r drawing from the generator of (seed, r): the same
+  rows and seed give the same corruption, whatever else is drawn. Arrays [R, length]."""
+  out = [corrupt_row(row, np.random.default_rng([seed, r]), **kw) for r, row in enumerate(rows_RT)]
+  return {k: np.stack([o[k] for o in out]) for k in out[0]}
