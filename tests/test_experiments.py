@@ -277,11 +277,14 @@ def test_modifier_fits_full_model(modifier, exp):
   assert loss.shape == () and jax.tree.leaves(grads)
 
 
-# (g) No family defines its own attention, RoPE or norm
+# (g) No family defines its own attention, positions, norm, MLP, MoE, patch embedding or block
 
 DEFINITIONS = [
-  re.compile(r"class \w*(Attention|RMSNorm|LayerNorm|Rotary|RoPE)"),
-  re.compile(r"def \w*(apply_rope|rotary|rope_)"),
+  re.compile(
+    r"class \w*(Attention|Norm|Rotary|RoPE|MLP|FeedForward|MoE|Expert|Router|Block|Layer"
+    r"|PatchEmbed|Position|Embedding|Decoder|Encoder)"
+  ),
+  re.compile(r"def \w*(apply_rope|rotary|rope_|relative_position|attend|patchify)"),
 ]
 # In a model file these mean attention (or a piece of it) written by hand.
 MODEL_FILE_USES = [
@@ -305,6 +308,8 @@ def test_violation_check_catches_private_copies():
   text = "class MyRMSNorm(nnx.Module):\n  pass\ndef apply_rope(x):\n  return jnp.einsum('x', x)\n"
   found = violations("zoo/fake/model.py", text)
   assert [v.split(":")[1] for v in found] == ["1", "3", "4"], found
+  for own in ("SwiGLUMLP", "SparseMoE", "GemmaDecoderLayer", "Block", "T5RelativePosition"):
+    assert violations("zoo/fake/model.py", f"class {own}(nnx.Module):\n"), own
   assert violations("zoo/fake/params.py", "y = jnp.einsum('x', x)\n") == []
 
 
@@ -313,6 +318,68 @@ def test_zoo_defines_no_attention_rope_or_norm():
   assert any(p.name == "model.py" for p in files)
   found = [v for p in files for v in violations(str(p.relative_to(ROOT)), p.read_text())]
   assert not found, (
-    "a family must compose common/attention.py, common/position.py and common/norms.py, not "
-    "define its own (DESIGN.md, the one rule):\n  " + "\n  ".join(found)
+    "a family must compose the shared layers of common/nn/ (attention, positions, norms, MLPs, "
+    "the transformer stacks), not define its own (DESIGN.md, the one rule):\n  "
+    + "\n  ".join(found)
   )
+
+
+# (h) The layout: what a family may import, and how deep common/ goes
+
+# A family composes the layers and names its config and HF weights: nothing else of common/.
+ZOO_MAY_IMPORT = ("common.nn", "common.config", "common.errors", "common.hub.keymap")
+
+
+def imports_of(path: pathlib.Path) -> list[str]:
+  out = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      out += [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      out += [f"{node.module}.{alias.name}" for alias in node.names]
+  return out
+
+
+def may_import(name: str) -> bool:
+  """May a family's file import `name` (a module, or a module's attribute)?"""
+  if name.startswith("experiments") or name == "common":
+    return False
+  if not name.startswith("common."):
+    return True  # jax, flax, ml_collections, the family's own zoo/ modules
+  return any(name == m or name.startswith(m + ".") for m in ZOO_MAY_IMPORT)
+
+
+def test_zoo_imports_only_the_layers_and_config_helpers():
+  bad = []
+  for path in sorted((ROOT / "zoo").rglob("*.py")):
+    for name in imports_of(path):
+      if not may_import(name):
+        bad.append(f"{path.relative_to(ROOT)}: {name}")
+  assert not bad, f"zoo/ may import only {ZOO_MAY_IMPORT}:\n  " + "\n  ".join(bad)
+
+
+def test_import_rule_catches_a_trainer_import(tmp_path):
+  path = tmp_path / "model.py"
+  path.write_text("from common.train import trainer\nfrom common.nn import attention\n")
+  names = imports_of(path)
+  assert names == ["common.train.trainer", "common.nn.attention"]
+  assert [may_import(n) for n in names] == [False, True]
+  assert not may_import("common.hub.weights") and may_import("common.hub.keymap.copy")
+
+
+def test_common_is_at_most_two_levels_deep():
+  deep = [
+    str(p.relative_to(ROOT))
+    for p in (ROOT / "common").rglob("*.py")
+    if len(p.relative_to(ROOT / "common").parts) > 2
+  ]
+  assert not deep, f"common/ packages nest at most one level: {deep}"
+
+
+def test_every_family_folder_is_registered_by_itself():
+  """A folder zoo/<family>/ with model.py is a family: nothing outside it lists it."""
+  folders = {p.parent.name for p in (ROOT / "zoo").glob("*/model.py")}
+  assert set(models.families()) == folders
+  for family in folders:
+    module = models.family_module(family)
+    assert callable(module.config) and isinstance(module.Model, type), family

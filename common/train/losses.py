@@ -2,6 +2,9 @@
 cross-entropy through the output projection a chunk of tokens at a time, so the [tokens, V]
 logits and their gradient never exist whole (`train.loss_chunk`, 0 = off).
 
+Shapes: M tokens of the flattened batch (B x T), J chunks of C tokens each (M = J x C after
+padding), V vocab, D width.
+
 Each chunk's logits are computed, turned into the chunk's loss and into the gradient of that
 loss with respect to the head's weights and inputs, and dropped: the gradient is computed in the
 forward pass (a custom VJP whose backward only scales it), so the head's matmuls run three
@@ -21,17 +24,17 @@ from common import parallel
 from common.errors import UserError
 
 
-def cross_entropy_and_grad(logits_NV: jax.Array, targets_N: jax.Array):
-  """Per-token cross-entropy [N] and its gradient with respect to the logits [N, V] (this
+def cross_entropy_and_grad(logits_MV: jax.Array, targets_M: jax.Array):
+  """Per-token cross-entropy [M] and its gradient with respect to the logits [M, V] (this
   device's vocab slice when the vocab is split over `tensor`)."""
-  logits = logits_NV.astype(jnp.float32)
+  logits = logits_MV.astype(jnp.float32)
   v_local = logits.shape[-1]
   if parallel.tensor_split("V"):
-    local_targets = targets_N - parallel.tensor_index() * v_local
+    local_targets = targets_M - parallel.tensor_index() * v_local
     m = parallel.pmax_tensor(jnp.max(logits, axis=-1))
     lse = jnp.log(parallel.psum_tensor(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))) + m
   else:
-    local_targets = targets_N
+    local_targets = targets_M
     lse = jax.nn.logsumexp(logits, axis=-1)
   # No hit in this slice when the target lies in another device's slice of the vocab.
   hit = local_targets[:, None] == jnp.arange(v_local, dtype=local_targets.dtype)
@@ -60,34 +63,34 @@ def _sum_to(ct, axes: frozenset):
 
 
 def head_cross_entropy_sum(
-  head: nnx.Module, project, x_ND: jax.Array, targets_N, weights_N, *, chunk: int
+  head: nnx.Module, project, x_MD: jax.Array, targets_M, weights_M, *, chunk: int
 ) -> jax.Array:
-  """sum_n weights_N[n] * CE(project(head, x_ND[n]), targets_N[n]), `chunk` tokens at a time.
+  """sum_n weights_M[n] * CE(project(head, x_MD[n]), targets_M[n]), `chunk` tokens at a time.
 
   `head` is the module holding the model's output projection (its `lm_head`, or the embedding
   whose `attend` is the tied head) and `project(head, x)` the logits it gives, soft-cap
-  included (`common.nn.transformer.Decoder.output_head`); its parameters and `x_ND` get
-  gradients, `targets_N` and `weights_N` not.
+  included (`common.nn.transformer.Decoder.output_head`); its parameters and `x_MD` get
+  gradients, `targets_M` and `weights_M` not.
   """
-  N, D = x_ND.shape
-  pad = -N % chunk
+  M, D = x_MD.shape
+  pad = -M % chunk
   if pad:  # padded tokens weigh 0
-    x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
-    targets_N, weights_N = jnp.pad(targets_N, (0, pad)), jnp.pad(weights_N, (0, pad))
+    x_MD = jnp.pad(x_MD, ((0, pad), (0, 0)))
+    targets_M, weights_M = jnp.pad(targets_M, (0, pad)), jnp.pad(weights_M, (0, pad))
   graphdef, params, rest = nnx.split(head, nnx.Param, ...)
   rest = jax.lax.stop_gradient(rest)
-  targets_KC = targets_N.reshape(-1, chunk)
-  weights_KC = weights_N.astype(jnp.float32).reshape(-1, chunk)
+  targets_JC = targets_M.reshape(-1, chunk)
+  weights_JC = weights_M.astype(jnp.float32).reshape(-1, chunk)
   varying = {}  # what the primal inputs vary over, read when tracing the forward pass
 
   def apply(params, x_CD):
     return project(nnx.merge(graphdef, params, rest), x_CD)
 
-  def forward(params, x_ND):
+  def forward(params, x_MD):
     varying["params"] = jax.tree.map(_varying, params)
-    varying["x"] = _varying(x_ND)
+    varying["x"] = _varying(x_MD)
     # The weights' gradient is summed over this device's chunks first, over devices at the end.
-    params = jax.tree.map(lambda p: _to_varying(p, _varying(x_ND)), params)
+    params = jax.tree.map(lambda p: _to_varying(p, _varying(x_MD)), params)
 
     def body(dparams, chunk_in):
       x_CD, targets_C, weights_C = chunk_in
@@ -96,27 +99,27 @@ def head_cross_entropy_sum(
       dp, dx_CD = vjp((dlogits_CV * weights_C[:, None]).astype(logits_CV.dtype))
       return jax.tree.map(jnp.add, dparams, dp), (jnp.sum(ce_C * weights_C), dx_CD)
 
-    xs = (x_ND.reshape(-1, chunk, D), targets_KC, weights_KC)
+    xs = (x_MD.reshape(-1, chunk, D), targets_JC, weights_JC)
     dparams, (sums, dx) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), xs)
     return jnp.sum(sums), (dparams, dx.reshape(-1, D))
 
   @jax.custom_vjp
-  def total(params, x_ND):  # the value alone (no gradient asked for): no vjp per chunk
+  def total(params, x_MD):  # the value alone (no gradient asked for): no vjp per chunk
     def body(_, chunk_in):
       x_CD, targets_C, weights_C = chunk_in
       ce_C, _ = cross_entropy_and_grad(apply(params, x_CD), targets_C)
       return None, jnp.sum(ce_C * weights_C)
 
-    xs = (x_ND.reshape(-1, chunk, D), targets_KC, weights_KC)
+    xs = (x_MD.reshape(-1, chunk, D), targets_JC, weights_JC)
     return jnp.sum(jax.lax.scan(body, None, xs)[1])
 
   def backward(res, g):
     dparams, dx = res
     dparams = jax.tree.map(lambda d, v: _sum_to(d * g, v), dparams, varying["params"])
-    return dparams, _sum_to((dx * g).astype(x_ND.dtype), varying["x"])
+    return dparams, _sum_to((dx * g).astype(x_MD.dtype), varying["x"])
 
   total.defvjp(forward, backward)
-  return total(params, x_ND)
+  return total(params, x_MD)
 
 
 def decoder_sums(model, inputs_BT, segment_ids_BT, targets_BT, weights_BT, *, chunk: int):

@@ -4,6 +4,7 @@ init_from, on the smoke form of lm/shakespeare-char (a few steps each)."""
 import json
 import math
 import os
+import pathlib
 import re
 
 import jax
@@ -14,14 +15,16 @@ import optax
 import pytest
 from flax import nnx
 
+from common import config as config_lib
 from common import experiments, models
 from common.data import pipeline
 from common.errors import UserError
 from common.hub import checkpoint, weights
-from common.train import losses, metrics, optim, trainer
+from common.train import losses, metrics, optim, settings, trainer
 from common.train import step as steps
 from zoo.llama import model as llama
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = "lm/shakespeare-char:smoke"
 # A constant schedule after a fixed warm-up does not depend on train.steps, so a run extended
 # from 4 to 6 steps must match a 6-step run exactly; evaluation is off to keep the runs short.
@@ -347,3 +350,95 @@ def test_resume_with_other_memory_levers(reference, tmp_path):
   for step, loss in want.items():
     assert got[step] == pytest.approx(loss, rel=1e-5), step
   assert weights.restore_params(smoke_config(), workdir)[2] == 6  # loads with the levers off
+
+
+# Model configs saved before the shared stack (mlp.kind was the activation; no norm_placement,
+# embed_scale, final_softcap, layer pattern, attention.scale or norm.offset).
+NEW_KEYS = ("norm_placement", "embed_scale", "final_softcap", "layer_pattern", "layer_kinds")
+
+
+def to_old_form(model: dict) -> dict:
+  model = json.loads(json.dumps(model))
+  for key in NEW_KEYS:
+    model.pop(key, None)
+  model["attention"].pop("scale")
+  model["norm"].pop("offset", None)
+  model["mlp"]["kind"] = model["mlp"].pop("activation")
+  return model
+
+
+def test_upgrade_reads_an_old_model_config_as_today():
+  cfg = smoke_config().model
+  old = to_old_form(cfg.to_dict())
+  assert old["mlp"]["kind"] == "swiglu" and "norm_placement" not in old
+  assert config_lib.differences(models.upgrade(old), cfg) == []
+  # A BERT config's placement is its family's (post), not the Llama default.
+  bert = models.family_module("bert").config("tiny")
+  assert models.upgrade(to_old_form(bert.to_dict())).norm_placement == "post"
+
+
+@pytest.mark.slow
+def test_a_run_saved_before_the_shared_stack_resumes_and_loads(reference, tmp_path):
+  """A workdir whose config.json and checkpoint meta hold the old model config resumes with the
+  same losses, and `zoo eval`/`zoo generate`/`hub.load` read its checkpoint."""
+  from common import hub
+
+  workdir = str(tmp_path / "run")
+  trainer.train(smoke_config({"train.steps": "4"}), workdir, progress=False)
+  paths = [os.path.join(workdir, "config.json")]
+  paths += [
+    os.path.join(workdir, "checkpoints", step, "meta", "metadata")
+    for step in os.listdir(os.path.join(workdir, "checkpoints"))
+  ]
+  for path in paths:
+    with open(path) as f:
+      saved = json.load(f)
+    saved["model"] = to_old_form(saved["model"])
+    with open(path, "w") as f:
+      json.dump(saved, f)
+  trainer.train(smoke_config(), workdir, progress=False)
+  assert train_losses(workdir) == train_losses(reference)
+  with open(paths[0]) as f:
+    old_cfg = ml_collections.ConfigDict(json.load(f))
+  old_cfg.model = to_old_form(old_cfg.model.to_dict())
+  _, params, step = weights.restore_params(old_cfg, workdir)
+  assert step == 6
+  model = hub.load(workdir)
+  assert model(jnp.zeros((1, 4), jnp.int32)).shape == (1, 4, 256)
+
+
+@pytest.mark.parametrize("key", sorted(settings.TRAIN) + [f"optim.{k}" for k in settings.OPTIM])
+def test_every_experiment_accepts_every_trainer_key(key):
+  """The trainer's keys are declared once (common/train/settings.py): every registered
+  experiment takes an override of each, e.g. --config.train.loss_chunk=512."""
+  from experiments import REGISTRY
+
+  group, _, key = key.rpartition(".")
+  group = group or "train"
+  defaults = settings.TRAIN if group == "train" else settings.OPTIM
+  value = str(defaults[key])
+  for name in REGISTRY:
+    cfg = experiments.get_config(name, {f"{group}.{key}": value})
+    assert cfg[group][key] == defaults[key], name
+
+
+def test_settings_refuse_an_unknown_key_with_a_suggestion():
+  with pytest.raises(UserError, match="Did you mean: loss_chunk"):
+    settings.train(loss_chunks=4)
+
+
+def test_an_experiment_file_without_trainer_keys_gets_the_defaults(tmp_path):
+  """A copied experiment file that builds its own train dict (as before settings existed)
+  still accepts every trainer key."""
+  path = tmp_path / "mine.py"
+  path.write_text(
+    (ROOT / "experiments" / "lm" / "shakespeare_char.py")
+    .read_text()
+    .replace(
+      "c.train = settings.train(steps=900, eval_every=450, checkpoint_every=300)",
+      "c.train = ml_collections.ConfigDict(dict(steps=900, batch_size=32, "
+      "checkpoint_every=300, log_every=10, eval_every=450))",
+    )
+  )
+  cfg = experiments.get_config(str(path), {"train.loss_chunk": "64"})
+  assert cfg.train.loss_chunk == 64 and cfg.train.micro_batches == 1

@@ -1,5 +1,6 @@
 """Llama model invariants: causality by gradients, KV-cache decoding == full forward (for each
-attention and position variant), packing, jit == eager, and sampling."""
+attention and position variant), packing, jit == eager, and generation with the cache (the
+sampling rules themselves: tests/common/test_sampling.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -224,65 +225,3 @@ def test_generate_equals_stepwise_greedy():
   )
   np.testing.assert_array_equal(top1, slow)
   assert sampling.generate(model, prompt, max_new_tokens=0, rng=jax.random.key(0)) is prompt
-
-
-def test_sample_logits_temperature_zero_and_top_k_one_are_argmax():
-  logits = jnp.asarray(np.random.default_rng(12).standard_normal((64, 32)), jnp.float32)
-  want = np.argmax(np.asarray(logits), -1)
-  np.testing.assert_array_equal(
-    sampling.sample_logits(logits, jax.random.key(0), temperature=0, top_k=0, top_p=1.0), want
-  )
-  for seed in range(3):
-    got = sampling.sample_logits(logits, jax.random.key(seed), temperature=1.5, top_k=1, top_p=1.0)
-    np.testing.assert_array_equal(got, want)
-
-
-def draw(logits_V, n=512, seed=0, **kw):
-  """The set of tokens drawn in n independent samples from one row of logits."""
-  logits_BV = jnp.tile(jnp.asarray(logits_V, jnp.float32)[None], (n, 1))
-  return set(np.asarray(sampling.sample_logits(logits_BV, jax.random.key(seed), **kw)).tolist())
-
-
-@pytest.mark.parametrize(
-  "top_p,want",
-  [(0.3, {2}), (0.75, {2, 0}), (0.85, {2, 0, 3}), (0.99, {2, 0, 3, 1}), (1.0, {2, 0, 3, 1})],
-)
-def test_top_p_keeps_the_smallest_set_reaching_p(top_p, want):
-  # Probabilities by construction: token 2: 0.5, 0: 0.3, 3: 0.15, 1: 0.05.
-  logits = np.log([0.3, 0.05, 0.5, 0.15])
-  assert draw(logits, temperature=1.0, top_k=0, top_p=top_p) == want
-
-
-def np_nucleus(logits_V, temperature, top_p):
-  """Independent reference: sort by probability, keep tokens until their mass reaches top_p."""
-  z = np.asarray(logits_V, np.float64) / temperature
-  p = np.exp(z - z.max())
-  p /= p.sum()
-  keep, mass = set(), 0.0
-  for i in np.argsort(-p):
-    keep.add(int(i))
-    mass += p[i]
-    if mass >= top_p:
-      break
-  return keep
-
-
-@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_top_p_samples_stay_in_the_nucleus(temperature):
-  rng = np.random.default_rng(13)
-  for seed in range(3):
-    logits = rng.standard_normal(16) * 2
-    got = draw(logits, n=256, seed=seed, temperature=temperature, top_k=0, top_p=0.6)
-    assert got <= np_nucleus(logits, temperature, 0.6)
-
-
-@pytest.mark.parametrize("top_k", [1, 3, 5])
-def test_temperature_sampling_stays_in_top_k(top_k):
-  rng = np.random.default_rng(14)
-  for seed in range(3):
-    logits = rng.standard_normal(32)
-    top = set(np.argsort(-logits)[:top_k].tolist())
-    got = draw(logits, n=256, seed=seed, temperature=2.0, top_k=top_k, top_p=1.0)
-    assert got <= top
-    if top_k > 1:
-      assert len(got) > 1  # sampling, not argmax

@@ -1,0 +1,147 @@
+"""The shared stack's extension points: the auxiliary-loss channel (through scan, remat and
+gradient accumulation), layer kinds, RMSNorm's 1 + w form and the attention scale."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from common import models
+from common.errors import UserError
+from common.nn import attention, aux, mlp, norms
+from common.train import step as steps
+from zoo.gemma import model as gemma
+from zoo.llama import model as llama
+
+
+@mlp.register("toy_l2")
+class ToyL2(mlp.MLP):
+  """A dense MLP that adds sum(down kernel ** 2) to the aux channel: a loss whose gradient is
+  known without the channel (2 * kernel per layer, times weight / layers: it is a mean)."""
+
+  def __init__(self, cfg, dim, **kw):
+    super().__init__(cfg, dim, **kw)
+    self.weight = cfg.toy_weight
+
+  def __call__(self, x_BTD):
+    aux.add("toy_l2", jnp.sum(self.down.kernel[...] ** 2), weight=self.weight)
+    return super().__call__(x_BTD)
+
+
+def toy_config(weight: float, **levers):
+  cfg = llama.config("tiny", num_layers=3)
+  cfg.mlp.kind = "toy_l2"
+  cfg.mlp.toy_weight = weight
+  cfg.update(levers)
+  return cfg
+
+
+def batch(B=4, T=9):
+  rng = np.random.default_rng(0)
+  return {
+    "tokens": jnp.asarray(rng.integers(0, 256, (B, T)), jnp.int32),
+    "segment_ids": jnp.ones((B, T), jnp.int32),
+  }
+
+
+def sums_and_grads(cfg, micro_batches=1):
+  graphdef, params = nnx.split(models.build(cfg, seed=0), nnx.Param)
+  fn = jax.jit(
+    lambda p: steps.sums_and_grads(p, batch(), graphdef=graphdef, micro_batches=micro_batches)
+  )
+  return (*fn(params), params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "levers,micro",
+  [({}, 1), ({"scan": True}, 1), ({"remat": "full"}, 1), ({"scan": True, "remat": "full"}, 2)],
+)
+def test_aux_loss_is_added_with_its_weight_and_reported(levers, micro):
+  w = 0.25
+  sums, grads, params = sums_and_grads(toy_config(w, **levers), micro)
+  sums0, grads0, _ = sums_and_grads(toy_config(0.0, **levers), micro)
+  kernels = [params["blocks"][i]["mlp"]["down"]["kernel"][...] for i in range(3)]
+  want = np.mean([float(jnp.sum(k**2)) for k in kernels])
+  np.testing.assert_allclose(sums["aux"]["toy_l2"], want, rtol=1e-5)
+  np.testing.assert_allclose(sums0["aux"]["toy_l2"], want, rtol=1e-5)  # weight 0: logged only
+  assert float(sums["total"]) == pytest.approx(float(sums0["total"]), rel=1e-6)  # task loss
+  count = float(sums["count"])
+  for i, kernel in enumerate(kernels):
+    got = grads["blocks"][i]["mlp"]["down"]["kernel"][...]
+    base = grads0["blocks"][i]["mlp"]["down"]["kernel"][...]
+    # d/dk of count * w * mean_l sum(k_l ** 2) = count * w * 2 k / L
+    np.testing.assert_allclose(got - base, count * w * 2 * kernel / 3, rtol=1e-4, atol=1e-6)
+
+
+def test_aux_add_without_a_collector_does_nothing_and_weights_must_agree():
+  aux.add("x", jnp.ones(()))  # evaluation, decoding: no cost, no error
+  with aux.collect() as entries:
+    aux.add("x", jnp.ones(()), weight=2.0)
+    aux.add("x", 3 * jnp.ones(()), weight=2.0)
+    with pytest.raises(ValueError, match="weights 2.0 and 1.0"):
+      aux.add("x", jnp.ones(()), weight=1.0)
+  assert float(aux.means(entries)["x"]) == 2.0
+  assert float(aux.weighted_sum(entries)) == 4.0
+
+
+@pytest.mark.slow
+def test_the_trainer_logs_aux_losses_by_name(tmp_path):
+  import json
+
+  from common import experiments
+  from common.train import trainer
+
+  cfg = experiments.get_config(
+    "lm/shakespeare-char:smoke", {"train.steps": "2", "train.eval_every": "0"}
+  )
+  cfg.model.mlp.kind = "toy_l2"
+  cfg.model.mlp.toy_weight = 0.1
+  trainer.train(cfg, str(tmp_path), progress=False)
+  lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert all("toy_l2" in line and line["toy_l2"] > 0 for line in lines if "split" not in line)
+
+
+def test_layer_kinds_are_checked():
+  cfg = gemma.config("tiny")
+  cfg.layer_pattern = ("sliding", "nope")
+  with pytest.raises(UserError, match="'nope', which model.layer_kinds does not define"):
+    models.build(cfg)
+  cfg = gemma.config("tiny")
+  cfg.layer_kinds.sliding.mlp = {"hidden_dim": 4}
+  with pytest.raises(UserError, match="may set attention and position"):
+    models.build(cfg)
+  cfg = gemma.config("tiny")
+  cfg.layer_kinds.sliding.position = {"kind": "learned", "max_len": 8}
+  with pytest.raises(UserError, match="not add to the embeddings"):
+    models.build(cfg)
+
+
+def test_rmsnorm_one_plus_w_form():
+  x = np.random.default_rng(1).standard_normal((2, 3, 8)).astype(np.float32)
+  plain = norms.make(norms.config("rms", eps=1e-6), 8)
+  gemma_form = norms.make(norms.config("rms", eps=1e-6, offset=1.0), 8)
+  assert np.all(gemma_form.scale[...] == 0) and np.all(plain.scale[...] == 1)
+  np.testing.assert_allclose(gemma_form(jnp.asarray(x)), plain(jnp.asarray(x)), rtol=1e-6)
+  w = np.linspace(-0.5, 0.5, 8).astype(np.float32)
+  gemma_form.scale[...] = jnp.asarray(w)
+  rms = np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-6)
+  np.testing.assert_allclose(gemma_form(jnp.asarray(x)), x / rms * (1 + w), rtol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [0.0, 1.0, 0.3])
+def test_attention_scale(scale):
+  """attention.scale multiplies q.k (0: head_dim ** -0.5) in the reference path."""
+  rng = np.random.default_rng(2)
+  q, k, v = (rng.standard_normal((1, 5, 2, 4)).astype(np.float32) for _ in range(3))
+  cfg = attention.config(num_heads=2, head_dim=4, scale=scale)
+  s = attention.logit_scale(cfg)
+  assert s == (scale or 0.5)
+  mask = np.tril(np.ones((5, 5), bool))[None]
+  got = attention.attend(*(jnp.asarray(a) for a in (q, k, v)), mask_BTS=jnp.asarray(mask), scale=s)
+  logits = np.einsum("tnh,snh->nts", q[0], k[0]) * s
+  logits = np.where(mask, logits, -np.inf)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  np.testing.assert_allclose(got[0], np.einsum("nts,snh->tnh", probs, v[0]), rtol=1e-5, atol=1e-6)
