@@ -21,6 +21,7 @@ COMMON_KEYS = (
   "train.checkpoint_every",
   "mesh.data",
   "mesh.fsdp",
+  "mesh.expert",
   "mesh.tensor",
   "init_from",
   "init_reinit",

@@ -1,4 +1,4 @@
-"""The device mesh `(data, fsdp, tensor)`: sizes from config, -1 meaning "the rest"."""
+"""The device mesh `(data, fsdp, expert, tensor)`: sizes from config, -1 meaning "the rest"."""
 
 import math
 
@@ -6,18 +6,20 @@ import ml_collections
 
 from common.errors import UserError
 
-AXES = ("data", "fsdp", "tensor")
+# tensor last: the innermost axis gets the nearest devices (its collectives run every layer).
+AXES = ("data", "fsdp", "expert", "tensor")
 
 
 def resolve(mesh_cfg, num_devices: int) -> dict[str, int]:
-  """{"data": d, "fsdp": f, "tensor": t} with d * f * t == num_devices, or a UserError."""
-  sizes = {axis: int(mesh_cfg[axis]) for axis in AXES}
+  """{"data": d, "fsdp": f, "expert": e, "tensor": t} with d * f * e * t == num_devices, or a
+  UserError. An axis the config lacks (a config saved before it existed) has size 1."""
+  sizes = {axis: int(mesh_cfg.get(axis, 1)) for axis in AXES}
   free = [a for a, s in sizes.items() if s == -1]
   bad = [a for a, s in sizes.items() if s == 0 or s < -1]
   if bad or len(free) > 1:
     raise UserError(
-      f"mesh {sizes}: each of mesh.data, mesh.fsdp, mesh.tensor is a positive size, and at "
-      "most one may be -1 (the remaining devices)."
+      f"mesh {sizes}: each of mesh.data, mesh.fsdp, mesh.expert, mesh.tensor is a positive "
+      "size, and at most one may be -1 (the remaining devices)."
     )
   fixed = math.prod(s for s in sizes.values() if s != -1)
   if free:

@@ -33,8 +33,16 @@ from common.mesh import AXES
 
 # Logical axis -> mesh axis. 1-D parameters named D (norm scales, output biases) stay
 # replicated on purpose: they are a few KB and every device needs them whole.
-RULES = {"D": "fsdp", "F": "tensor", "NH": "tensor", "KH": "tensor", "V": "tensor"}
-BATCH_AXES = ("data", "fsdp")
+RULES = {
+  "D": "fsdp",
+  "F": "tensor",
+  "NH": "tensor",
+  "KH": "tensor",
+  "V": "tensor",
+  "E": "expert",  # an MoE layer's experts
+}
+# The batch is split over every axis but tensor (expert too: each device routes its own tokens).
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,16 +85,28 @@ class Layout:
 
 def make_layout(sizes: dict[str, int], devices=None) -> Layout:
   devices = np.asarray(devices if devices is not None else jax.devices())
-  shape = tuple(sizes[a] for a in AXES)
+  shape = tuple(sizes.get(a, 1) for a in AXES)
   mesh = jax.sharding.Mesh(devices.reshape(shape), AXES)
   return Layout(mesh, dict(RULES))
 
 
 def check_fits(model_cfg, sizes: dict[str, int], batch_size: int, micro_batches: int = 1):
   """The errors a mesh can cause, named before anything compiles."""
-  t, batch_shards = sizes["tensor"], sizes["data"] * sizes["fsdp"] * micro_batches
+  if "attention" not in model_cfg:  # a model of several stacks (CLIP's towers): each one
+    for sub in model_cfg.values():
+      if hasattr(sub, "get") and "attention" in sub:
+        check_fits(sub, sizes, batch_size, micro_batches)
+    return
+  t = sizes["tensor"]
+  batch_shards = sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1) * micro_batches
   att = model_cfg.attention
   problems = []
+  experts = model_cfg.mlp.get("num_experts", 0) if model_cfg.mlp.kind == "moe" else 0
+  if sizes.get("expert", 1) > 1 and experts % sizes["expert"]:
+    problems.append(
+      f"model.mlp.num_experts={experts} is not divisible by expert={sizes['expert']}"
+      + ("" if experts else " (the model has no experts: keep mesh.expert=1)")
+    )
   if att.num_heads % t:
     problems.append(f"model.attention.num_heads={att.num_heads} is not divisible by tensor={t}")
   if att.num_kv_heads % t:
@@ -97,8 +117,8 @@ def check_fits(model_cfg, sizes: dict[str, int], batch_size: int, micro_batches:
     problems.append(f"model.vocab_size={model_cfg.vocab_size} is not divisible by tensor={t}")
   if batch_size % batch_shards:
     problems.append(
-      f"train.batch_size={batch_size} is not divisible by data x fsdp x train.micro_batches "
-      f"= {batch_shards}"
+      f"train.batch_size={batch_size} is not divisible by data x fsdp x expert x "
+      f"train.micro_batches = {batch_shards}"
     )
   if problems:
     raise UserError(

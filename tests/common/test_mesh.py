@@ -22,7 +22,27 @@ def cfg(data, fsdp, tensor):
   ],
 )
 def test_resolve(sizes, devices, want):
-  assert tuple(mesh.resolve(cfg(*sizes), devices).values()) == want
+  got = mesh.resolve(cfg(*sizes), devices)  # a config without mesh.expert: expert is 1
+  assert (got["data"], got["fsdp"], got["tensor"]) == want and got["expert"] == 1
+
+
+@pytest.mark.parametrize(
+  "sizes, devices, want",
+  [
+    ((1, 1, 4, 2), 8, (1, 1, 4, 2)),
+    ((2, 1, -1, 1), 8, (2, 1, 4, 1)),
+    ((-1, 2, 2, 1), 8, (2, 2, 2, 1)),
+  ],
+)
+def test_resolve_with_an_expert_axis(sizes, devices, want):
+  got = mesh.resolve(mesh.config(**dict(zip(mesh.AXES, sizes, strict=True))), devices)
+  assert tuple(got[a] for a in mesh.AXES) == want
+
+
+def test_mesh_config_has_every_axis_and_refuses_others():
+  assert dict(mesh.config(fsdp=-1)) == {"data": 1, "fsdp": -1, "expert": 1, "tensor": 1}
+  with pytest.raises(UserError, match="no axis 'pipeline'"):
+    mesh.config(pipeline=2)
 
 
 @pytest.mark.parametrize(
