@@ -108,6 +108,17 @@ def cmd_show(args, overrides):
   print(cfg)
   print(f"# mesh rule: {cfg.mesh_rule}")
   print(f"# parameters: {models.num_params(cfg.model):,} (computed abstractly, nothing allocated)")
+  if cfg.model.mlp.kind == "moe":
+    mlp = cfg.model.mlp
+    print(
+      f"# active per token: {models.num_active_params(cfg.model):,} ({mlp.top_k} of "
+      f"{mlp.num_experts} experts)"
+    )
+    if mlp.capacity_factor:
+      print(
+        f"# capacity factor {mlp.capacity_factor}: tokens over an expert's capacity are DROPPED"
+        " (their routed output is 0); 0 keeps every token (dropless)"
+      )
   if cfg.model.get("lora") is not None and cfg.model.lora.rank:
     trained = models.num_params(cfg.model, lora.trainable(cfg.model))
     print(f"# trained: {trained:,} (LoRA adapters and model.lora.train; the rest frozen)")

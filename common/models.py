@@ -54,6 +54,19 @@ def num_params(cfg, which=nnx.Param) -> int:
   return sum(int(x.size) for x in jax.tree.leaves(state))
 
 
+def num_active_params(cfg) -> int:
+  """The parameters one token computes with: an MoE layer's experts (the weights with logical
+  axis E) count top_k / num_experts of their size, everything else whole."""
+  experts = cfg.mlp.get("num_experts", 0) if cfg.mlp.kind == "moe" else 0
+  total = 0
+  for _, var in nnx.to_flat_state(nnx.state(abstract(cfg), nnx.Param)):
+    size = int(var.size)
+    if experts and "E" in (getattr(var, "axes", None) or ()):
+      size = size * cfg.mlp.top_k // experts
+    total += size
+  return total
+
+
 # Model configs saved before a change of the shared layers' configs (a checkpoint's meta, a
 # workdir's config.json) read as the configs of today.
 OLD_MLP_KINDS = ("swiglu", "geglu", "gelu", "gelu_exact", "relu")

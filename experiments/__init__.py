@@ -3,6 +3,7 @@
 REGISTRY = {
     "lm/shakespeare-char": "experiments.lm.shakespeare_char",
     "lm/shakespeare-bpe": "experiments.lm.shakespeare_bpe",
+    "lm/shakespeare-moe": "experiments.lm.shakespeare_moe",
     "lm/llama2-7b": "experiments.lm.llama2_7b",
     "lm/llama3-8b": "experiments.lm.llama3_8b",
     "lm/mistral-7b": "experiments.lm.mistral_7b",

@@ -18,6 +18,7 @@ tensor, and reports every problem in one UserError.
 """
 
 import importlib
+import inspect
 import json
 import os
 import re
@@ -28,7 +29,7 @@ from flax import nnx
 
 from common import models
 from common.errors import UserError
-from common.hub.keymap import Rule
+from common.hub.keymap import Rule, hf_names
 
 TOKENIZER_FILES = (
   "tokenizer.json",
@@ -84,10 +85,10 @@ def _abstract_params(cfg) -> dict[str, nnx.Param]:
   return {".".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
 
 
-def _checked_rules(cfg, mod) -> tuple[list[Rule], dict[str, nnx.Param]]:
+def _checked_rules(cfg, mod, names=None) -> tuple[list[Rule], dict[str, nnx.Param]]:
   """The family's rules, which must cover every zoo parameter exactly once (a bug otherwise)."""
   want = _abstract_params(cfg)
-  rules = mod.rules(cfg)
+  rules = _rules_for(cfg, mod, names)
   covered = [z for r in rules for z in r.zoo]
   assert sorted(covered) == sorted(want), (
     f"{mod.__name__}.rules does not cover the model exactly once: "
@@ -194,10 +195,24 @@ def _hf_name(name: str, mod, expected) -> str | None:
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
+def _rules_for(cfg, mod, names=None) -> list[Rule]:
+  """The family's rules; a key map that reads several layouts (per-expert or fused MoE
+  weights) takes the checkpoint's tensor names and picks the one it holds."""
+  if names is not None and "names" in inspect.signature(mod.rules).parameters:
+    return mod.rules(cfg, names=names)
+  return mod.rules(cfg)
+
+
+def _shapes(rule: Rule, want) -> tuple:
+  """The HF shapes a rule expects, one per name, traced abstractly."""
+  out = jax.eval_shape(rule.to_hf, *(want[z] for z in rule.zoo))
+  return tuple(o.shape for o in out) if isinstance(rule.hf, tuple) else (out.shape,)
+
+
 def from_hf(cfg, mod, tensors: SafeTensors, *, src: str) -> tuple[nnx.State, list[str]]:
   """The zoo params (in cfg.param_dtype) of an HF checkpoint, and the names it dropped."""
-  rules, want = _checked_rules(cfg, mod)
-  by_name = {r.hf: r for r in rules}
+  rules, want = _checked_rules(cfg, mod, names=tensors.names())
+  by_name = {n: r for r in rules for n in hf_names(r)}
   found, skipped, extra = {}, [], []
   for name in tensors.names():
     hf = _hf_name(name, mod, by_name)
@@ -211,15 +226,15 @@ def from_hf(cfg, mod, tensors: SafeTensors, *, src: str) -> tuple[nnx.State, lis
       extra.append(f"{name} {list(tensors.shape(name))}")
   problems = [f"unexpected weight {n}" for n in extra]
   for rule in rules:
-    shape = jax.eval_shape(rule.to_hf, *(want[z] for z in rule.zoo)).shape
-    if rule.hf not in found:
-      problems.append(f"missing weight {rule.hf} {list(shape)}")
-      continue
-    got, dtype = tensors.shape(found[rule.hf]), tensors.dtype(found[rule.hf])
-    if got != shape:
-      problems.append(f"{found[rule.hf]} has shape {list(got)}, the model needs {list(shape)}")
-    elif dtype not in FLOAT_DTYPES:
-      problems.append(f"{found[rule.hf]} has dtype {dtype}, not a float")
+    for hf, shape in zip(hf_names(rule), _shapes(rule, want), strict=True):
+      if hf not in found:
+        problems.append(f"missing weight {hf} {list(shape)}")
+        continue
+      got, dtype = tensors.shape(found[hf]), tensors.dtype(found[hf])
+      if got != shape:
+        problems.append(f"{found[hf]} has shape {list(got)}, the model needs {list(shape)}")
+      elif dtype not in FLOAT_DTYPES:
+        problems.append(f"{found[hf]} has dtype {dtype}, not a float")
   if problems:
     raise UserError(
       f"{src} does not fit the {cfg.family} model its config.json describes "
@@ -230,7 +245,7 @@ def from_hf(cfg, mod, tensors: SafeTensors, *, src: str) -> tuple[nnx.State, lis
   param_dtype = jnp.dtype(cfg.param_dtype)
   flat = []
   for rule in rules:
-    values = rule.to_zoo(jnp.asarray(tensors.get(found[rule.hf])))
+    values = rule.to_zoo(*(jnp.asarray(tensors.get(found[n])) for n in hf_names(rule)))
     for z, value in zip(rule.zoo, values, strict=True):
       flat.append((_path(z), want[z].replace(value.astype(param_dtype))))
   return nnx.from_flat_state(flat), skipped
@@ -243,7 +258,12 @@ def to_hf(cfg, mod, params: nnx.State) -> dict[str, jax.Array]:
   missing = sorted(set(want) - set(have))
   if missing:
     raise UserError(f"The checkpoint lacks the parameters {missing[:10]}.")
-  return {r.hf: jnp.asarray(r.to_hf(*(jnp.asarray(have[z][...]) for z in r.zoo))) for r in rules}
+  out = {}
+  for r in rules:
+    tensors = r.to_hf(*(jnp.asarray(have[z][...]) for z in r.zoo))
+    tensors = tensors if isinstance(r.hf, tuple) else (tensors,)
+    out.update({n: jnp.asarray(x) for n, x in zip(hf_names(r), tensors, strict=True)})
+  return out
 
 
 def read_hf(src: str, *, param_dtype: str = "float32"):

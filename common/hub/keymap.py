@@ -8,6 +8,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 
 from common.errors import UserError
+from common.nn.patch import conv_from_kernel, kernel_from_conv
 
 # Key maps
 
@@ -16,12 +17,18 @@ from common.errors import UserError
 class Rule:
   """One HF tensor <-> the zoo parameters `zoo` (dotted paths). `to_zoo(x) -> tuple` and
   `to_hf(*xs) -> x` are jnp functions, inverse to each other, so that shapes are checked by
-  tracing them abstractly before any tensor is read."""
+  tracing them abstractly before any tensor is read. `hf` may be a tuple of names (an MoE
+  layer's per-expert tensors stacked into one parameter): then `to_zoo(*xs)` takes them all
+  and `to_hf` returns a tuple."""
 
-  hf: str
+  hf: str | tuple[str, ...]
   zoo: tuple[str, ...]
   to_zoo: Callable
   to_hf: Callable
+
+
+def hf_names(rule: Rule) -> tuple[str, ...]:
+  return rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
 
 
 def copy(hf: str, zoo: str) -> Rule:
@@ -38,6 +45,50 @@ def split(hf: str, zoo: tuple[str, ...]) -> Rule:
   n = len(zoo)
   return Rule(
     hf, zoo, lambda x: tuple(jnp.split(x, n, axis=-1)), lambda *xs: jnp.concatenate(xs, axis=-1)
+  )
+
+
+def squeeze(hf: str, zoo: str, *, lead: int) -> Rule:
+  """An HF tensor with `lead` leading dims of size 1 (ViT's cls_token [1, 1, D]) as the zoo
+  parameter without them."""
+  return Rule(
+    hf, (zoo,), lambda x: (x.reshape(x.shape[lead:]),), lambda x: x.reshape((1,) * lead + x.shape)
+  )
+
+
+def patch_conv(hf: str, zoo: str, *, patch: int) -> Rule:
+  """A patch embedding's Conv2d weight [D, C, p, p] as `PatchEmbed`'s kernel [C * p * p, D]."""
+  return Rule(
+    hf,
+    (zoo,),
+    lambda w: (kernel_from_conv(w),),
+    lambda k: conv_from_kernel(k, patch=patch),
+  )
+
+
+def stack_transposed(hf: tuple[str, ...], zoo: str) -> Rule:
+  """Per-expert torch Linear weights [out, in] (one per name) as one [E, in, out] parameter."""
+  n = len(hf)
+  return Rule(
+    tuple(hf),
+    (zoo,),
+    lambda *xs: (jnp.stack([x.T for x in xs]),),
+    lambda w: tuple(w[e].T for e in range(n)),
+  )
+
+
+def experts_transposed(hf: str, zoo: str) -> Rule:
+  """A fused per-expert tensor [E, out, in] (transformers' in-memory MoE layout) as [E, in, out]."""
+  return Rule(hf, (zoo,), lambda x: (x.transpose(0, 2, 1),), lambda w: w.transpose(0, 2, 1))
+
+
+def experts_gate_up(hf: str, zoo: tuple[str, str]) -> Rule:
+  """A fused [E, 2F, D] gate-and-up tensor (gate rows first) as two [E, D, F] parameters."""
+  return Rule(
+    hf,
+    zoo,
+    lambda x: tuple(p.transpose(0, 2, 1) for p in jnp.split(x, 2, axis=1)),
+    lambda g, u: jnp.concatenate([g.transpose(0, 2, 1), u.transpose(0, 2, 1)], axis=1),
   )
 
 

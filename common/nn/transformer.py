@@ -25,12 +25,14 @@ from flax import nnx
 
 from common.errors import UserError
 from common.nn import attention, lora, memory, mlp, norms, position
+from common.nn import moe  # noqa: F401  (registers mlp.kind "moe")
 from common.nn.linear import Embedding, Linear, dtypes
 
 NORM_PLACEMENTS = ("pre", "post", "both")
-# What a layer kind may change: fields of the attention config (merged) and the position
-# encoding (replaced whole, so config modifiers that rewrite a kind of position reach it).
-KIND_KEYS = ("attention", "position")
+# What a layer kind may change: fields of the attention config (merged), the position encoding
+# and the MLP (each replaced whole, so config modifiers that rewrite a kind of position reach it,
+# and a dense layer can sit among MoE ones).
+KIND_KEYS = ("attention", "position", "mlp")
 
 
 def config(
@@ -94,7 +96,7 @@ def layer_config(cfg, i: int) -> ml_collections.ConfigDict:
   unknown = [k for k in changes if k not in KIND_KEYS]
   if unknown:
     raise UserError(
-      f"model.layer_kinds.{kind} sets {unknown}: a layer kind may set {' and '.join(KIND_KEYS)}."
+      f"model.layer_kinds.{kind} sets {unknown}: a layer kind may set {', '.join(KIND_KEYS)}."
     )
   out = ml_collections.ConfigDict(cfg.to_dict())
   if "attention" in changes:
@@ -109,6 +111,8 @@ def layer_config(cfg, i: int) -> ml_collections.ConfigDict:
         "bias attention (rope, alibi, none), not add to the embeddings."
       )
     out.position = ml_collections.ConfigDict(changes.position.to_dict())
+  if "mlp" in changes:
+    out.mlp = ml_collections.ConfigDict(changes.mlp.to_dict())
   return out
 
 

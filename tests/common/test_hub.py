@@ -87,6 +87,38 @@ ARCHS = {
       rope_scaling=YARN_ROPE,
     )
   ),
+  # Experts not a power of two, top-k of 1, 2 and 3, Qwen3-MoE's dense first layer.
+  "mixtral-3-experts-top2": lambda: tf.MixtralForCausalLM(
+    tf.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2)
+  ),
+  "mixtral-5-experts-top1-window": lambda: tf.MixtralForCausalLM(
+    tf.MixtralConfig(
+      **SMALL, num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=1, sliding_window=5
+    )
+  ),
+  "qwen3-moe-dense-first-top3": lambda: tf.Qwen3MoeForCausalLM(
+    tf.Qwen3MoeConfig(
+      **{**SMALL, "num_hidden_layers": 3},
+      num_key_value_heads=2,
+      head_dim=16,
+      num_experts=6,
+      num_experts_per_tok=3,
+      moe_intermediate_size=40,
+      norm_topk_prob=False,
+      mlp_only_layers=[0],
+    )
+  ),
+  "qwen3-moe-renormalised": lambda: tf.Qwen3MoeForCausalLM(
+    tf.Qwen3MoeConfig(
+      **SMALL,
+      num_key_value_heads=2,
+      head_dim=16,
+      num_experts=4,
+      num_experts_per_tok=2,
+      moe_intermediate_size=40,
+      norm_topk_prob=True,
+    )
+  ),
   "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(**GPT2_SMALL)),
   "gpt2-untied-relu": lambda: tf.GPT2LMHeadModel(
     tf.GPT2Config(**GPT2_SMALL, tie_word_embeddings=False, activation_function="relu", n_inner=80)
@@ -608,3 +640,17 @@ def test_a_hub_id_is_fetched_then_converted(tmp_path, monkeypatch):
   with pytest.raises(UserError, match="fetching it from the Hugging Face hub failed.*no network"):
     hub.convert_hf("other-org/missing", str(tmp_path / "zoo2"))
   assert not os.path.exists(tmp_path / "zoo2")
+
+
+@pytest.mark.parametrize("name", ["mixtral-3-experts-top2", "qwen3-moe-dense-first-top3"])
+def test_moe_reads_the_fused_expert_layout(name, tmp_path):
+  """transformers holds experts fused in memory (mlp.experts.gate_up_proj [E, 2F, D],
+  mlp.experts.down_proj [E, D, F]); a checkpoint saved that way reads as the per-expert one."""
+  model = hf_model(name)
+  state = {k: v.contiguous() for k, v in model.state_dict().items()}
+  assert any(k.endswith("experts.gate_up_proj") for k in state)
+  (tmp_path / "fused").mkdir()
+  save_file(state, str(tmp_path / "fused" / "model.safetensors"), metadata={"format": "pt"})
+  model.config.save_pretrained(tmp_path / "fused")
+  hub.convert_hf(str(tmp_path / "fused"), str(tmp_path / "zoo"))
+  assert_parity(hub.load(str(tmp_path / "zoo")), model, inputs())

@@ -109,8 +109,8 @@ def test_layer_kinds_are_checked():
   with pytest.raises(UserError, match="'nope', which model.layer_kinds does not define"):
     models.build(cfg)
   cfg = gemma.config("tiny")
-  cfg.layer_kinds.sliding.mlp = {"hidden_dim": 4}
-  with pytest.raises(UserError, match="may set attention and position"):
+  cfg.layer_kinds.sliding.norm = {"eps": 1e-3}
+  with pytest.raises(UserError, match="may set attention, position, mlp"):
     models.build(cfg)
   cfg = gemma.config("tiny")
   cfg.layer_kinds.sliding.position = {"kind": "learned", "max_len": 8}

@@ -7,7 +7,7 @@ tokens -> Embedding -> [RMSNorm -> Attention(RoPE, GQA) -> + -> RMSNorm -> SwiGL
 import ml_collections
 
 from common.errors import UserError, suggest
-from common.nn import attention, mlp, norms, position, transformer
+from common.nn import attention, mlp, moe, norms, position, transformer
 
 # Published dimensions (each model's config.json on the Hugging Face hub).
 # fmt: off
@@ -38,6 +38,17 @@ PRESETS = {
         vocab_size=151936, dim=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
         hidden_dim=3072, norm_eps=1e-6, rope_theta=1e6, qk_norm="rms", tie_embeddings=True,
     ),
+    # Mixture of experts: hidden_dim is each expert's.
+    "mixtral-8x7b": dict(
+        vocab_size=32000, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        hidden_dim=14336, norm_eps=1e-5, rope_theta=1e6, num_experts=8, top_k=2,
+        router_aux_coef=0.02,
+    ),
+    "qwen3-30b-a3b": dict(
+        vocab_size=151936, dim=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+        hidden_dim=768, norm_eps=1e-6, rope_theta=1e6, qk_norm="rms", num_experts=128,
+        top_k=8, router_aux_coef=0.001,
+    ),
     # Tiny shapes for smoke runs and tests.
     "tiny": dict(
         vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -49,7 +60,9 @@ PRESETS = {
 
 def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
   """The model config of a preset, with flat overrides (the keys of PRESETS' entries, and
-  out_bias, mlp_bias, head_dim)."""
+  out_bias, mlp_bias, head_dim; with num_experts > 0 the MLP is a mixture of experts: top_k,
+  norm_topk_prob (True), router_aux_coef, router_z_coef, shared_hidden_dim, shared_gate,
+  capacity_factor (0: dropless), moe_impl)."""
   if preset not in PRESETS:
     raise UserError(f"Unknown llama preset {preset!r}.{suggest(preset, PRESETS)}")
   p = {**PRESETS[preset], **overrides}
@@ -72,9 +85,27 @@ def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
       "rope", theta=p["rope_theta"], scaling=position.rope_scaling(**scaling)
     ),
     norm=norms.config("rms", eps=p["norm_eps"]),
-    mlp=mlp.config("swiglu", hidden_dim=p["hidden_dim"], use_bias=p.get("mlp_bias", False)),
+    mlp=_mlp(p),
     tie_embeddings=p.get("tie_embeddings", False),
     final_softcap=0.0,
+  )
+
+
+def _mlp(p: dict) -> ml_collections.ConfigDict:
+  if not p.get("num_experts"):
+    return mlp.config("swiglu", hidden_dim=p["hidden_dim"], use_bias=p.get("mlp_bias", False))
+  return moe.config(
+    num_experts=p["num_experts"],
+    top_k=p["top_k"],
+    hidden_dim=p["hidden_dim"],
+    norm_topk_prob=p.get("norm_topk_prob", True),
+    shared_hidden_dim=p.get("shared_hidden_dim", 0),
+    shared_gate=p.get("shared_gate", False),
+    capacity_factor=p.get("capacity_factor", 0.0),
+    aux_coef=p.get("router_aux_coef", 0.0),
+    z_coef=p.get("router_z_coef", 0.0),
+    use_bias=p.get("mlp_bias", False),
+    impl=p.get("moe_impl", "auto"),
   )
 
 

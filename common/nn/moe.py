@@ -1,0 +1,473 @@
+"""Mixture-of-experts feed-forward layer: a router sends each token to k of E expert MLPs.
+
+Registered as `mlp.kind = "moe"`, so any family swaps its dense MLP for it by config. Covers the
+published routers: Mixtral (softmax over the experts, top-k, the k weights renormalised),
+Qwen3-MoE (renormalisation optional: `norm_topk_prob`), and Qwen2-MoE / DeepSeek shared experts
+(one always-on MLP added to the routed output, with Qwen2-MoE's optional sigmoid gate).
+
+Shapes: the legend of DESIGN.md, plus N tokens (B * T flattened, as in common/train/losses.py),
+k the top-k slots of a token (lower case: K is kv heads), A = N * k assignments (token, expert
+pairs), R rows of the expert-sorted buffer, G blocks of M rows each (the blocked impl).
+
+Routing is token choice and dropless by default: every token reaches its k experts, so the
+result never depends on how the batch is split. The experts' matmuls cost what each token's own
+experts cost, never a dense [tokens, experts, hidden] product: assignments are sorted by expert
+and multiplied group by group, by one of three `impl`s:
+
+- "ragged": `jax.lax.ragged_dot` on the sorted rows (the grouped matmul GPUs and TPUs lower
+  well; on XLA:CPU it measured slower than even running every expert on every token);
+- "blocked": each expert's rows padded to a multiple of M, then a loop over the G blocks, one
+  dense [M, D] @ [D, F] matmul each with that block's expert weights (megablox's tiling, as plain
+  XLA; at most E blocks of padding);
+- "loop": every expert on every token, weighted by its combine weight (0 where not routed); E / k
+  times the work, the reference the tests compare against;
+- "auto": "blocked" on CPU (fastest there: 0.9-1.45x the time of a dense MLP of the same active
+  size across runs on a busy 2-core machine, ragged_dot 7-9x: bench/moe_layer.py), "ragged"
+  elsewhere (not measured here: no GPU).
+
+`capacity_factor > 0` turns on token dropping (Switch / GShard): expert e keeps the first
+C = ceil(capacity_factor * A / E) assignments routed to it, in token order (batch-major, then
+sequence, then the token's k slots by rank), and the others are dropped: their routed output is
+0 (a token that loses all k slots keeps only its shared expert and the residual). C is counted
+over the tokens of one call, which inside a sharded step is the local shard, so unlike dropless
+routing a mesh can change which tokens drop. It changes what tokens receive, not the compute.
+
+Auxiliary losses (common/nn/aux.py), computed only when someone collects, over the GLOBAL batch
+(the per-expert sums are `psum`ed over the batch mesh axes inside a sharded step, so a mesh
+changes no loss):
+
+- "moe_load_balance" (weight `aux_coef`): transformers' `load_balancing_loss_func` for one layer,
+  E * sum_e f_e * P_e, f_e the fraction of tokens routed to e (top-k one-hot, so sum_e f_e = k),
+  P_e the mean router probability of e; it is k when the routing is uniform;
+- "moe_router_z" (weight `z_coef`): ST-MoE's router z-loss, the mean of logsumexp(logits)^2;
+- "moe_expert_load" (weight 0, logged only): the busiest expert's assignments over the mean
+  expert's (1 = balanced, E / k = all on one expert's share).
+
+`mask_BT` (1 for real tokens, 0 for padding), when given, weights these statistics as
+transformers' `attention_mask` does; padding tokens are still routed, computed and take capacity.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from common import parallel
+from common.errors import UserError, suggest
+from common.nn import aux, mlp
+from common.nn.linear import Linear, normal
+
+ROUTERS = ("softmax_topk",)
+IMPLS = ("auto", "ragged", "blocked", "loop")
+# Rows per block of the blocked impl: large enough that each matmul runs near the speed of a big
+# one on XLA:CPU, small enough that the at most E blocks of padding stay cheap.
+BLOCK_ROWS = 128
+
+
+def config(
+  *,
+  num_experts: int,
+  top_k: int,
+  hidden_dim: int,
+  activation: str = "swiglu",
+  router: str = "softmax_topk",
+  norm_topk_prob: bool = True,
+  shared_hidden_dim: int = 0,
+  shared_gate: bool = False,
+  capacity_factor: float = 0.0,
+  aux_coef: float = 0.0,
+  z_coef: float = 0.0,
+  use_bias: bool = False,
+  impl: str = "auto",
+) -> ml_collections.ConfigDict:
+  """An MoE sub-config (`kind="moe"`), a drop-in for `mlp.config(...)`.
+
+  hidden_dim: each expert's MLP hidden size; shared_hidden_dim: the shared expert's (0 = none);
+  shared_gate: scale the shared expert's output by sigmoid(x @ w) (Qwen2-MoE), else add it as is
+  (DeepSeek); norm_topk_prob: renormalise a token's k weights to sum to 1 (Mixtral: always).
+  """
+  return ml_collections.ConfigDict(
+    {
+      "kind": "moe",
+      "num_experts": num_experts,
+      "top_k": top_k,
+      "hidden_dim": hidden_dim,
+      "activation": activation,
+      "router": router,
+      "norm_topk_prob": norm_topk_prob,
+      "shared_hidden_dim": shared_hidden_dim,
+      "shared_gate": shared_gate,
+      "capacity_factor": capacity_factor,
+      "aux_coef": aux_coef,
+      "z_coef": z_coef,
+      "use_bias": use_bias,
+      "impl": impl,
+    }
+  )
+
+
+def psum_batch(x: jax.Array) -> jax.Array:
+  """The sum over the batch shards inside a sharded step (the global sum); x outside one."""
+  if parallel._ACTIVE.get() is None:
+    return x
+  return jax.lax.psum(x, parallel.BATCH_AXES)
+
+
+def route(logits_NE: jax.Array, *, top_k: int, norm_topk_prob: bool):
+  """(weights_Nk, experts_Nk, probs_NE): the softmax over experts, its top k, renormalised to
+  sum to 1 per token when `norm_topk_prob`."""
+  probs_NE = jax.nn.softmax(logits_NE.astype(jnp.float32), axis=-1)
+  weights_Nk, experts_Nk = jax.lax.top_k(probs_NE, top_k)
+  if norm_topk_prob:
+    weights_Nk = weights_Nk / jnp.sum(weights_Nk, axis=-1, keepdims=True)
+  return weights_Nk, experts_Nk, probs_NE
+
+
+def resolve_impl(impl: str) -> str:
+  if impl not in IMPLS:
+    raise UserError(f"Unknown moe impl {impl!r}.{suggest(impl, IMPLS)}")
+  if impl == "auto":
+    return "blocked" if jax.default_backend() == "cpu" else "ragged"
+  return impl
+
+
+# ---------------------------------------------------------------------------------------------
+# Moving rows between token order and the expert-sorted buffer.
+
+
+# Inside shard_map (check_vma) every array is typed with the mesh axes it varies over. Autodiff
+# keeps those types consistent itself; the custom VJPs and loop carries below do it by hand.
+
+
+def _varying(*xs) -> frozenset:
+  """The mesh axes any of `xs` varies over inside shard_map (empty outside)."""
+  out = frozenset()
+  for x in xs:
+    aval = jax.typeof(x)
+    out |= frozenset(getattr(aval, "vma", None) or aval.mat.varying)
+  return out
+
+
+def _to_varying(x, axes: frozenset):
+  missing = tuple(sorted(axes - _varying(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _sum_to(ct, axes: frozenset):
+  """A cotangent summed over the axes its primal did not vary over (autodiff's transpose of
+  the implicit broadcast, done by hand in a custom VJP)."""
+  extra = tuple(sorted(_varying(ct) - axes))
+  return jax.lax.psum(ct, extra) if extra else ct
+
+
+@jax.custom_vjp
+def _gather_rows(x_ND, src_R, inverse_Nj):
+  """out[r] = x[src[r]] (0 where src[r] is out of range), where inverse[n] lists every r with
+  src[r] == n (out of range entries padding it). A custom VJP because autodiff would transpose
+  the gather into a scatter-add, which XLA:CPU runs far slower than the gather by `inverse` that
+  it equals here."""
+  return jnp.take(x_ND, src_R, axis=0, mode="fill", fill_value=0)
+
+
+def _gather_rows_fwd(x_ND, src_R, inverse_Nj):
+  # x_ND[:0] is empty but typed like x (the axes it varies over), all the backward needs of it.
+  return _gather_rows(x_ND, src_R, inverse_Nj), (inverse_Nj, x_ND[:0])
+
+
+def _gather_rows_bwd(res, g_RD):
+  inverse_Nj, x_type = res
+  g_NjD = jnp.take(g_RD, inverse_Nj, axis=0, mode="fill", fill_value=0)
+  return _sum_to(jnp.sum(g_NjD, axis=1), _varying(x_type)), None, None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def _sort_by_expert(experts_A: jax.Array, E: int):
+  """(order_A, group_sizes_E, rank_A): the assignments sorted by expert (stable, so each
+  expert's rows stay in token order), how many each expert got, and each assignment's place
+  among its expert's (what capacity and the blocked padding count)."""
+  A = experts_A.shape[0]
+  order_A = jnp.argsort(experts_A, stable=True).astype(jnp.int32)
+  sizes_E = jnp.bincount(experts_A, length=E).astype(jnp.int32)
+  starts_E = jnp.cumsum(sizes_E) - sizes_E
+  rank_sorted = jnp.arange(A, dtype=jnp.int32) - starts_E[experts_A[order_A]]
+  rank_A = jnp.zeros((A,), jnp.int32).at[order_A].set(rank_sorted)
+  return order_A, sizes_E, rank_A
+
+
+def _block_rows(A: int, E: int) -> int:
+  """M: BLOCK_ROWS, or less when a small batch would be mostly padding."""
+  return min(BLOCK_ROWS, max(8, -(-A // E // 8) * 8))
+
+
+def _block_dots(x_RI, w_EIO, expert_G, used_G):
+  """Block g of x times w[expert_G[g]], zeros for the unused blocks, as a loop over the blocks:
+  each step one 2-D matmul with one expert's weights, which are sliced, never gathered into a
+  [G, I, O] copy."""
+  G = expert_G.shape[0]
+  x_GMI = x_RI.reshape(G, -1, x_RI.shape[-1])
+  out = w_EIO.shape[2]
+  varying = _varying(x_RI, w_EIO, expert_G)
+
+  def body(_, inp):
+    x_MI, e, used = inp
+
+    def compute():
+      w_IO = jax.lax.dynamic_index_in_dim(w_EIO, e, keepdims=False)
+      return jnp.dot(x_MI, w_IO)
+
+    zeros = lambda: _to_varying(jnp.zeros((x_MI.shape[0], out), x_MI.dtype), varying)
+    return None, jax.lax.cond(used, compute, zeros)  # unused tail blocks skip their matmul
+
+  _, y_GMO = jax.lax.scan(body, None, (x_GMI, expert_G, used_G))
+  return y_GMO.reshape(-1, out)
+
+
+@jax.custom_vjp
+def _gmm(x_RI, w_EIO, expert_G, used_G):
+  """The grouped matmul of the blocked impl: y[rows of block g] = x[rows of g] @ w[expert_G[g]].
+
+  A custom VJP because autodiff of the loop would add each block's weight gradient into a fresh
+  zero [E, I, O] array (E times the traffic); here one loop over the blocks computes each
+  block's input gradient and adds its weight gradient in place into one fp32 accumulator
+  (megablox's gmm and tgmm in one pass)."""
+  return _block_dots(x_RI, w_EIO, expert_G, used_G)
+
+
+def _gmm_fwd(x_RI, w_EIO, expert_G, used_G):
+  return _gmm(x_RI, w_EIO, expert_G, used_G), (x_RI, w_EIO, expert_G, used_G)
+
+
+def _gmm_bwd(res, g_RO):
+  x_RI, w_EIO, expert_G, used_G = res
+  G = expert_G.shape[0]
+  x_GMI = x_RI.reshape(G, -1, x_RI.shape[-1])
+  g_GMO = g_RO.reshape(G, -1, g_RO.shape[-1])
+  varying = _varying(x_RI, g_RO, w_EIO, expert_G)
+
+  def body(dw_EIO, inp):
+    x_MI, g_MO, e, used = inp
+
+    def add():
+      w_IO = jax.lax.dynamic_index_in_dim(w_EIO, e, keepdims=False)
+      dw_IO = jax.lax.dynamic_index_in_dim(dw_EIO, e, keepdims=False)
+      dw_IO = dw_IO + jnp.dot(x_MI.T, g_MO, preferred_element_type=jnp.float32)
+      dx_MI = jnp.dot(g_MO, w_IO.T).astype(x_MI.dtype)
+      return jax.lax.dynamic_update_index_in_dim(dw_EIO, dw_IO, e, 0), dx_MI
+
+    skip = lambda: (dw_EIO, _to_varying(jnp.zeros_like(x_MI), varying))
+    return jax.lax.cond(used, add, skip)
+
+  init = _to_varying(jnp.zeros(w_EIO.shape, jnp.float32), varying)
+  dw_EIO, dx_GMI = jax.lax.scan(body, init, (x_GMI, g_GMO, expert_G, used_G))
+  dx_RI = _sum_to(dx_GMI.reshape(x_RI.shape), _varying(x_RI))
+  return dx_RI, _sum_to(dw_EIO.astype(w_EIO.dtype), _varying(w_EIO)), None, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer.
+
+
+@mlp.register("moe")
+class MoE(nnx.Module):
+  """Token-choice top-k MoE: y = sum over the token's k experts of weight * expert(x), plus the
+  optional shared expert."""
+
+  def __init__(
+    self,
+    cfg,
+    dim: int,
+    *,
+    out_init_std: float = 0.02,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
+  ):
+    if cfg.router not in ROUTERS:
+      raise UserError(f"Unknown moe router {cfg.router!r}.{suggest(cfg.router, ROUTERS)}")
+    if not 1 <= cfg.top_k <= cfg.num_experts:
+      raise UserError(f"moe top_k={cfg.top_k} must lie in [1, num_experts={cfg.num_experts}].")
+    if cfg.capacity_factor < 0:
+      raise UserError(f"moe capacity_factor={cfg.capacity_factor} must be >= 0 (0 = dropless).")
+    self.act = mlp.activation(cfg.activation)
+    self.impl = resolve_impl(cfg.impl)
+    self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+    self.norm_topk_prob, self.capacity_factor = cfg.norm_topk_prob, cfg.capacity_factor
+    self.aux_coef, self.z_coef = cfg.aux_coef, cfg.z_coef
+    self.dtype = dtype
+    E, D, F = cfg.num_experts, dim, cfg.hidden_dim
+
+    def param(shape, axes, std):
+      return nnx.Param(normal(std)(rngs.params(), shape, param_dtype), axes=axes)
+
+    def bias(shape, axes):
+      return nnx.Param(jnp.zeros(shape, param_dtype), axes=axes) if cfg.use_bias else None
+
+    # The router stays fp32 whatever `dtype`: small logit differences flip top-k choices.
+    self.router = param((D, E), ("D", None), 0.02)
+    gated = cfg.activation in mlp.GATED
+    self.gate = param((E, D, F), ("E", "D", "F"), 0.02) if gated else None
+    self.up = param((E, D, F), ("E", "D", "F"), 0.02)
+    self.down = param((E, F, D), ("E", "F", "D"), out_init_std)
+    self.gate_bias = bias((E, F), ("E", "F")) if gated else None
+    self.up_bias = bias((E, F), ("E", "F"))
+    self.down_bias = bias((E, D), ("E", "D"))
+
+    if cfg.shared_gate and not cfg.shared_hidden_dim:
+      raise UserError("moe shared_gate=True needs a shared expert: set shared_hidden_dim > 0.")
+    dt = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    shared_cfg = mlp.config(cfg.activation, hidden_dim=cfg.shared_hidden_dim, use_bias=cfg.use_bias)
+    self.shared = (
+      mlp.MLP(shared_cfg, dim, out_init_std=out_init_std, **dt) if cfg.shared_hidden_dim else None
+    )
+    self.shared_gate = Linear(dim, 1, axes=("D", None), **dt) if cfg.shared_gate else None
+
+  def __call__(self, x_BTD: jax.Array, *, mask_BT: jax.Array | None = None) -> jax.Array:
+    B, T, D = x_BTD.shape
+    E, k = self.num_experts, self.top_k
+    x_ND = x_BTD.reshape(B * T, D)
+    router_DE = parallel.gather(self.router[...], ("D", None)).astype(jnp.float32)
+    logits_NE = jnp.dot(x_ND.astype(jnp.float32), router_DE)
+    weights_Nk, experts_Nk, probs_NE = route(logits_NE, top_k=k, norm_topk_prob=self.norm_topk_prob)
+    if aux.collecting():
+      mask_N = None if mask_BT is None else mask_BT.reshape(B * T)
+      self._add_aux_losses(logits_NE, probs_NE, experts_Nk, mask_N)
+
+    experts_A = experts_Nk.reshape(-1)
+    order_A, sizes_E, rank_A = _sort_by_expert(experts_A, E)
+    if self.capacity_factor > 0:
+      capacity = math.ceil(self.capacity_factor * B * T * k / E)
+      weights_Nk = jnp.where((rank_A < capacity).reshape(B * T, k), weights_Nk, 0.0)
+    weights_Nk = weights_Nk.astype(self.dtype)
+
+    w = self._expert_weights()
+    x_ND = x_ND.astype(self.dtype)
+    if self.impl == "loop":
+      y_ND = self._loop(x_ND, w, experts_Nk, weights_Nk)
+    else:
+      y_ND = self._grouped(x_ND, w, experts_A, order_A, sizes_E, rank_A, weights_Nk)
+    # Each device holds an F slice of every expert when F is split over `tensor`: y is partial.
+    y_ND = parallel.reduce(y_ND, "F")
+    if self.down_bias is not None:  # after the reduce: added once, not per shard
+      bias_ND = jnp.sum(weights_Nk[..., None] * w["down_bias"][experts_Nk], axis=1)
+      y_ND = y_ND + bias_ND
+
+    if self.shared is not None:
+      shared_ND = self.shared(x_ND)
+      if self.shared_gate is not None:
+        shared_ND = jax.nn.sigmoid(self.shared_gate(x_ND)) * shared_ND
+      y_ND = y_ND + shared_ND
+    return y_ND.reshape(B, T, D)
+
+  def _expert_weights(self) -> dict[str, jax.Array | None]:
+    def get(p, axes):
+      return None if p is None else parallel.gather(p[...], axes).astype(self.dtype)
+
+    return {
+      "gate": get(self.gate, ("E", "D", "F")),
+      "up": get(self.up, ("E", "D", "F")),
+      "down": get(self.down, ("E", "F", "D")),
+      "gate_bias": get(self.gate_bias, ("E", "F")),
+      "up_bias": get(self.up_bias, ("E", "F")),
+      "down_bias": get(self.down_bias, ("E", "D")),
+    }
+
+  def _hidden(self, x, gate, up, gate_bias, up_bias):
+    """act(x @ gate + b) * (x @ up + b), or act(x @ up + b) without a gate (2-D matmuls)."""
+    u = jnp.dot(x, up) if up_bias is None else jnp.dot(x, up) + up_bias
+    if gate is None:
+      return self.act(u)
+    g = jnp.dot(x, gate) if gate_bias is None else jnp.dot(x, gate) + gate_bias
+    return self.act(g) * u
+
+  def _loop(self, x_ND, w, experts_Nk, weights_Nk):
+    """Every expert on every token, weighted by its combine weight (the reference)."""
+    one_hot_NkE = jax.nn.one_hot(experts_Nk, self.num_experts, dtype=self.dtype)
+    combine_NE = jnp.sum(weights_Nk[..., None] * one_hot_NkE, axis=1)
+    y_ND = jnp.zeros_like(x_ND)
+    for e in range(self.num_experts):
+      pick = lambda name, e=e: None if w[name] is None else w[name][e]
+      h_NF = self._hidden(x_ND, pick("gate"), pick("up"), pick("gate_bias"), pick("up_bias"))
+      y_ND = y_ND + combine_NE[:, e : e + 1] * jnp.dot(h_NF, w["down"][e])
+    return y_ND
+
+  def _grouped(self, x_ND, w, experts_A, order_A, sizes_E, rank_A, weights_Nk):
+    """The assignments' rows sorted by expert (padded per expert for "blocked"), each group
+    through its own expert, and the results weighted back into token order."""
+    N, k, E = x_ND.shape[0], self.top_k, self.num_experts
+    A = N * k
+    if self.impl == "ragged":
+      slot_A = jnp.zeros((A,), jnp.int32).at[order_A].set(jnp.arange(A, dtype=jnp.int32))
+      src_A = order_A  # the assignment in each row
+      R = A
+    else:
+      M = _block_rows(A, E)
+      padded_E = -(-sizes_E // M) * M
+      pstarts_E = jnp.cumsum(padded_E) - padded_E
+      slot_A = pstarts_E[experts_A] + rank_A
+      G = -(-(A + E * (M - 1)) // M)  # the most blocks any routing can need
+      R = G * M
+      # Rows no assignment fills point past the end: they read zeros and are never read back.
+      src_A = jnp.full((R,), A, jnp.int32).at[slot_A].set(jnp.arange(A, dtype=jnp.int32))
+    token_R = jnp.where(src_A < A, src_A // k, N)
+    slot_Nk = slot_A.reshape(N, k)
+    xs_RD = _gather_rows(x_ND, token_R, slot_Nk)
+    if self.impl == "ragged":
+      ys_RD = self._ragged(xs_RD, w, sizes_E, experts_A[order_A])
+    else:
+      ys_RD = self._blocked(xs_RD, w, padded_E, M)
+    ys_AD = _gather_rows(ys_RD, slot_A, src_A[:, None])
+    # A weighted sum over k, not an einsum: XLA:CPU would run that as N tiny batched matmuls.
+    return jnp.sum(weights_Nk[..., None] * ys_AD.reshape(N, k, -1), axis=1)
+
+  def _ragged(self, xs_AD, w, sizes_E, experts_sorted_A):
+    def dot(x, W, b):
+      y = jax.lax.ragged_dot(x, W, sizes_E)
+      return y if b is None else y + b[experts_sorted_A]
+
+    u = dot(xs_AD, w["up"], w["up_bias"])
+    h = self.act(u) if w["gate"] is None else self.act(dot(xs_AD, w["gate"], w["gate_bias"])) * u
+    return jax.lax.ragged_dot(h, w["down"], sizes_E)
+
+  def _blocked(self, xs_RD, w, padded_E, M):
+    R, E = xs_RD.shape[0], self.num_experts
+    # The expert of each block; blocks past the last expert's rows hold only zeros.
+    ends_E = jnp.cumsum(padded_E)
+    expert_G = jnp.searchsorted(ends_E, jnp.arange(R // M) * M, side="right").astype(jnp.int32)
+    used_G = expert_G < E
+    expert_G = jnp.minimum(expert_G, E - 1)
+
+    def dot(x, W, b):
+      y = _gmm(x, W, expert_G, used_G)
+      return y if b is None else y + jnp.repeat(b[expert_G], M, axis=0)
+
+    u = dot(xs_RD, w["up"], w["up_bias"])
+    h = self.act(u) if w["gate"] is None else self.act(dot(xs_RD, w["gate"], w["gate_bias"])) * u
+    return _gmm(h, w["down"], expert_G, used_G)
+
+  def _add_aux_losses(self, logits_NE, probs_NE, experts_Nk, mask_N):
+    E = self.num_experts
+    mask_N = jnp.ones(logits_NE.shape[:1], jnp.float32) if mask_N is None else mask_N
+    mask_N = mask_N.astype(jnp.float32)
+    routed_NE = jnp.sum(jax.nn.one_hot(experts_Nk, E, dtype=jnp.float32), axis=1)
+    lse_N = jax.nn.logsumexp(logits_NE, axis=-1)
+    sums = psum_batch(
+      {
+        "count": jnp.sum(mask_N),
+        "routed_E": mask_N @ routed_NE,
+        "prob_E": mask_N @ probs_NE,
+        "z": jnp.sum(mask_N * lse_N**2),
+      }
+    )
+    count = jnp.maximum(sums["count"], 1.0)
+    fraction_E, prob_E = sums["routed_E"] / count, sums["prob_E"] / count
+    aux.add("moe_load_balance", E * jnp.sum(fraction_E * prob_E), weight=self.aux_coef)
+    aux.add("moe_router_z", sums["z"] / count, weight=self.z_coef)
+    load = jnp.max(sums["routed_E"]) / jnp.maximum(jnp.mean(sums["routed_E"]), 1e-9)
+    aux.add("moe_expert_load", jax.lax.stop_gradient(load), weight=0.0)
