@@ -124,8 +124,9 @@ B, P, T = 2, 5, 12  # decoding: batch, prompt length, total length
     ("base", dict(qk_norm="rms", qkv_bias=True, num_kv_heads=1)),
     ("alibi", {}),
     ("learned", {}),
+    ("base", dict(num_experts=3, top_k=2, hidden_dim=32)),
   ],
-  ids=["rope-gqa", "window4", "qknorm-qkvbias-mqa", "alibi", "learned"],
+  ids=["rope-gqa", "window4", "qknorm-qkvbias-mqa", "alibi", "learned", "moe"],
 )
 def test_cached_decoding_equals_full_forward(variant, overrides):
   model = tiny(variant, **overrides)
