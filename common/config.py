@@ -8,6 +8,14 @@ import ml_collections
 from common.errors import UserError, suggest
 
 
+def preset(presets: dict, name: str, overrides: dict, *, family: str) -> dict:
+  """A family's preset (its published dimensions) with flat overrides; an unknown name is a
+  UserError naming the close ones."""
+  if name not in presets:
+    raise UserError(f"Unknown {family} preset {name!r}.{suggest(name, presets)}")
+  return {**presets[name], **overrides}
+
+
 def flatten(cfg, prefix: str = "") -> dict:
   """{"train.steps": 100, ...} for every leaf of a config tree, in key order."""
   out = {}

@@ -99,6 +99,27 @@ def linear(hf: str, zoo: str, *, bias: bool) -> list[Rule]:
   )
 
 
+def attention(hf: str, zoo: str, att) -> list[Rule]:
+  """A Llama-style attention (`{hf}.q_proj` ... `o_proj`, QK-norm `q_norm`/`k_norm`) as the
+  shared Attention `zoo` with config `att` (its biases and QK-norm say which tensors exist)."""
+  r = []
+  for x in "qkv":
+    r += linear(f"{hf}.{x}_proj", f"{zoo}.{x}", bias=att.qkv_bias)
+  r += linear(f"{hf}.o_proj", f"{zoo}.o", bias=att.out_bias)
+  if att.qk_norm != "none":
+    r += [copy(f"{hf}.q_norm.weight", f"{zoo}.q_norm.scale")]
+    r += [copy(f"{hf}.k_norm.weight", f"{zoo}.k_norm.scale")]
+  return r
+
+
+def gated_mlp(hf: str, zoo: str, *, bias: bool) -> list[Rule]:
+  """A gated MLP (`{hf}.gate_proj`, `up_proj`, `down_proj`) as the shared dense MLP `zoo`."""
+  r = []
+  for theirs, ours in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+    r += linear(f"{hf}.{theirs}", f"{zoo}.{ours}", bias=bias)
+  return r
+
+
 def plain_transformer_activation(cfg, activations: dict, name: str) -> str:
   """HF's activation name for a GPT-2 or BERT model (learned positions, LayerNorm, plain
   multi-head attention, a dense MLP): a UserError for a config HF's class cannot express."""

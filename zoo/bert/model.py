@@ -10,7 +10,7 @@ classifier head (num_labels > 0): Linear(pooled) -> logits [B, num_labels]
 
 import ml_collections
 
-from common.errors import UserError, suggest
+from common import config as config_lib
 from common.nn import attention, mlp, norms, position, transformer
 
 # Published dimensions (each model's config.json on the Hugging Face hub).
@@ -36,9 +36,7 @@ def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
   """The model config of a preset, with flat overrides: the keys of PRESETS' entries, and
   max_len (512), type_vocab_size (2), norm_eps (1e-12), activation ("gelu_exact", BERT's gelu),
   pooler (True), num_labels (0: no classifier head; as HF's BertForSequenceClassification)."""
-  if preset not in PRESETS:
-    raise UserError(f"Unknown bert preset {preset!r}.{suggest(preset, PRESETS)}")
-  p = {**PRESETS[preset], **overrides}
+  p = config_lib.preset(PRESETS, preset, overrides, family="bert")
   return transformer.config(
     family="bert",
     vocab_size=p["vocab_size"],

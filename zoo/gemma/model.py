@@ -13,7 +13,8 @@ query_pre_attn_scalar ** -0.5.
 
 import ml_collections
 
-from common.errors import UserError, suggest
+from common import config as config_lib
+from common.errors import UserError
 from common.nn import attention, mlp, norms, position, transformer
 
 # Published dimensions (each model's config.json on the Hugging Face hub; Gemma 3 4B and up:
@@ -56,9 +57,7 @@ def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
   """The model config of a preset, with flat overrides: the keys of PRESETS' entries (version
   2 or 3 picks the arrangement; local_rope_theta is Gemma 3's sliding layers' theta), and
   norm_eps (1e-6), layer_pattern (a tuple of "sliding"/"full")."""
-  if preset not in PRESETS:
-    raise UserError(f"Unknown gemma preset {preset!r}.{suggest(preset, PRESETS)}")
-  p = {**PRESETS[preset], **overrides}
+  p = config_lib.preset(PRESETS, preset, overrides, family="gemma")
   if p["version"] not in PATTERNS:
     raise UserError(f"gemma version {p['version']!r}: use 2 or 3.")
   scaling = position.rope_scaling(**p.get("rope_scaling", {"kind": "none"}))

@@ -9,7 +9,7 @@ import ml_collections
 
 from common.errors import UserError
 from common.hub import keymap
-from common.hub.keymap import copy, linear
+from common.hub.keymap import copy
 from zoo.gemma import model as gemma
 
 MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -165,13 +165,6 @@ def rules(cfg) -> list:
       ("post_feedforward_layernorm", "mlp_out_norm"),
     ):
       r.append(copy(f"{hf}.{theirs}.weight", f"{zoo}.{ours}.scale"))
-    for x in "qkvo":
-      r += linear(f"{hf}.self_attn.{x}_proj", f"{zoo}.attn.{x}", bias=False)
-    if cfg.attention.qk_norm != "none":
-      r += [
-        copy(f"{hf}.self_attn.q_norm.weight", f"{zoo}.attn.q_norm.scale"),
-        copy(f"{hf}.self_attn.k_norm.weight", f"{zoo}.attn.k_norm.scale"),
-      ]
-    for theirs, ours in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-      r += linear(f"{hf}.mlp.{theirs}", f"{zoo}.mlp.{ours}", bias=False)
+    r += keymap.attention(f"{hf}.self_attn", f"{zoo}.attn", cfg.attention)
+    r += keymap.gated_mlp(f"{hf}.mlp", f"{zoo}.mlp", bias=False)
   return r

@@ -7,7 +7,7 @@ tokens -> Embedding + learned positions -> [LayerNorm -> Attention -> + -> Layer
 
 import ml_collections
 
-from common.errors import UserError, suggest
+from common import config as config_lib
 from common.nn import attention, mlp, norms, position, transformer
 
 # Published dimensions (openai-community/gpt2* config.json on the Hugging Face hub).
@@ -27,9 +27,7 @@ def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
   """The model config of a preset, with flat overrides: the keys of PRESETS' entries, and
   hidden_dim (4 * dim), norm_eps (1e-5), activation ("gelu", GPT-2's gelu_new), tie_embeddings
   (True)."""
-  if preset not in PRESETS:
-    raise UserError(f"Unknown gpt2 preset {preset!r}.{suggest(preset, PRESETS)}")
-  p = {**PRESETS[preset], **overrides}
+  p = config_lib.preset(PRESETS, preset, overrides, family="gpt2")
   return transformer.config(
     family="gpt2",
     vocab_size=p["vocab_size"],

@@ -6,7 +6,7 @@ tokens -> Embedding -> [RMSNorm -> Attention(RoPE, GQA) -> + -> RMSNorm -> SwiGL
 
 import ml_collections
 
-from common.errors import UserError, suggest
+from common import config as config_lib
 from common.nn import attention, mlp, moe, norms, position, transformer
 
 # Published dimensions (each model's config.json on the Hugging Face hub).
@@ -63,9 +63,7 @@ def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
   out_bias, mlp_bias, head_dim; with num_experts > 0 the MLP is a mixture of experts: top_k,
   norm_topk_prob (True), router_aux_coef, router_z_coef, shared_hidden_dim, shared_gate,
   capacity_factor (0: dropless), moe_impl)."""
-  if preset not in PRESETS:
-    raise UserError(f"Unknown llama preset {preset!r}.{suggest(preset, PRESETS)}")
-  p = {**PRESETS[preset], **overrides}
+  p = config_lib.preset(PRESETS, preset, overrides, family="llama")
   scaling = dict(p.get("rope_scaling", {"kind": "none"}))
   return transformer.config(
     family="llama",

@@ -14,7 +14,7 @@ import ml_collections
 
 from common.errors import UserError
 from common.hub import keymap
-from common.hub.keymap import copy, linear, transpose
+from common.hub.keymap import copy, transpose
 from zoo.llama import model as llama
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
@@ -289,19 +289,11 @@ def rules(cfg, names=()) -> list:
       copy(f"{hf}.input_layernorm.weight", f"{zoo}.attn_norm.scale"),
       copy(f"{hf}.post_attention_layernorm.weight", f"{zoo}.mlp_norm.scale"),
     ]
-    for theirs, ours in (("q", "q"), ("k", "k"), ("v", "v")):
-      r += linear(f"{hf}.self_attn.{theirs}_proj", f"{zoo}.attn.{ours}", bias=att.qkv_bias)
-    r += linear(f"{hf}.self_attn.o_proj", f"{zoo}.attn.o", bias=att.out_bias)
-    if att.qk_norm != "none":
-      r += [
-        copy(f"{hf}.self_attn.q_norm.weight", f"{zoo}.attn.q_norm.scale"),
-        copy(f"{hf}.self_attn.k_norm.weight", f"{zoo}.attn.k_norm.scale"),
-      ]
+    r += keymap.attention(f"{hf}.self_attn", f"{zoo}.attn", att)
     if cfg.mlp.kind == "moe" and i not in dense_layers:
       r += _expert_rules(cfg, hf, f"{zoo}.mlp", fused=fused)
       continue
-    for theirs, ours in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-      r += linear(f"{hf}.mlp.{theirs}", f"{zoo}.mlp.{ours}", bias=cfg.mlp.use_bias)
+    r += keymap.gated_mlp(f"{hf}.mlp", f"{zoo}.mlp", bias=cfg.mlp.use_bias)
   return r
 
 
