@@ -89,6 +89,6 @@ def test_experiment_mesh_rule_applies_before_command_line_overrides():
 def test_zoo_show_says_which_rule_applies_and_why(capsys):
   from common import cli
 
-  assert cli.main(["show", "lm/llama3-8b", "--mesh-rule", "tpu-v5p-lite-x64"]) == 0
+  assert cli.main(["show", "lm/llama3-8b", "--mesh-rule", "tpu-v5x64"]) == 0
   out = capsys.readouterr().out
-  assert "# mesh rule: tpu-v5p-lite-x64 matches 'tpu-v5p*'" in out
+  assert "# mesh rule: tpu-v5x64 matches 'tpu-v5x64'" in out

@@ -1,0 +1,468 @@
+"""`zoo plan`: an experiment's real train step compiled ahead of time for a TPU topology.
+
+No TPU is needed: libtpu (`pip install -e ".[tpu]"`) describes a slice's chips
+(`jax.experimental.topologies`), the step `zoo run` runs (`common.train.step.make_train_step`)
+is lowered on abstract inputs placed on a mesh of those chips, and XLA:TPU compiles it. The
+compiled program says what a device holds (`memory_analysis`) and how many FLOPs and bytes it
+moves (`cost_analysis`), from which a roofline gives the step time. `plan` returns those as a
+dict; `format` prints them; `zoo plan` exits 2 with the levers to pull when it does not fit.
+"""
+
+import contextlib
+import copy
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import time
+
+import numpy as np
+
+from common import mesh
+from common.errors import UserError, suggest
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One TPU generation. hbm and peak are per chip, from the Cloud TPU pages (which print GB
+  and TFLOPs; the compiler's own out-of-memory message reports v5p as 95.74 GiB)."""
+
+  hbm: int  # bytes
+  peak: float  # dense bf16 FLOP/s
+  bandwidth: float  # HBM bytes/s
+  kind: str  # jax's device_kind, as `common.mesh.hardware_name` reads it
+  cores_per_chip: int  # what the Cloud name counts: v4 and v5p name TensorCores, two a chip
+  dims: int  # 3-D torus (v4, v5p) or 2-D (v5e, v6e)
+
+
+CHIPS = {
+  "v4": Chip(hbm=32 * GiB, peak=275e12, bandwidth=1200e9, kind="TPU v4", cores_per_chip=2, dims=3),
+  "v5e": Chip(
+    hbm=16 * GiB, peak=197e12, bandwidth=819e9, kind="TPU v5 lite", cores_per_chip=1, dims=2
+  ),
+  "v5p": Chip(hbm=95 * GiB, peak=459e12, bandwidth=2765e9, kind="TPU v5", cores_per_chip=2, dims=3),
+  "v6e": Chip(
+    hbm=32 * GiB, peak=918e12, bandwidth=1640e9, kind="TPU v6 lite", cores_per_chip=1, dims=2
+  ),
+}
+ALIASES = {"v5litepod": "v5e"}  # the Cloud API's name for v5e slices
+# The slice shapes Cloud TPU offers up to 256 chips, by chip count.
+SHAPES = {
+  2: {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"},
+  3: {
+    4: "2x2x1",
+    8: "2x2x2",
+    16: "2x2x4",
+    32: "2x4x4",
+    64: "4x4x4",
+    128: "4x4x8",
+    256: "4x8x8",
+  },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  name: str  # as given
+  generation: str  # v4, v5e, v5p, v6e
+  shape: str  # "4x4x4"
+  chips: int
+
+  @property
+  def chip(self) -> Chip:
+    return CHIPS[self.generation]
+
+  @property
+  def jax_name(self) -> str:
+    return f"{self.generation}:{self.shape}"
+
+  @property
+  def cloud_name(self) -> str:
+    return f"{self.generation}-{self.chips * self.chip.cores_per_chip}"
+
+  @property
+  def hardware(self) -> str:
+    """The name mesh rules match (`tpu-v5x64`), as `common.mesh.hardware_name` gives it on the
+    slice itself (one device per chip: v4 and v5p run as megacore)."""
+    return f"{self.chip.kind.lower().replace(' ', '-')}x{self.chips}"
+
+
+def accepted() -> str:
+  cloud = ", ".join(
+    f"{g}-{{{','.join(str(n * c.cores_per_chip) for n in SHAPES[c.dims])}}}"
+    for g, c in CHIPS.items()
+  )
+  return (
+    f"Cloud names {cloud} (v4 and v5p count TensorCores, two a chip; v5e and v6e count chips; "
+    "v5litepod-N = v5e-N), or JAX topology names GEN:SHAPE such as v5e:2x2, v5p:4x4x4"
+  )
+
+
+def parse_topology(name: str) -> Topology:
+  """`v5p-128` or `v5p:4x4x4` -> Topology (64 chips, 4x4x4), or a UserError naming the accepted
+  names. Needs no libtpu."""
+  gen, sep, rest = name.partition(":")
+  if not sep:
+    gen, sep, rest = name.rpartition("-")
+  gen = ALIASES.get(gen.lower(), gen.lower())
+  chip = CHIPS.get(gen)
+  if chip is None or not sep:
+    raise UserError(
+      f"Unknown topology {name!r}.{suggest(name, [f'{g}-8' for g in CHIPS])} Accepted: "
+      f"{accepted()}."
+    )
+  if ":" in name:
+    dims = rest.split("x")
+    if len(dims) != chip.dims or not all(d.isdigit() and int(d) > 0 for d in dims):
+      raise UserError(
+        f"Topology {name!r}: a {gen} slice is {chip.dims}-D, e.g. {gen}:{SHAPES[chip.dims][4]}. "
+        f"Accepted: {accepted()}."
+      )
+    return Topology(name, gen, rest, math.prod(int(d) for d in dims))
+  cores = int(rest) if rest.isdigit() else -1
+  chips, odd = divmod(cores, chip.cores_per_chip)
+  if odd or chips not in SHAPES[chip.dims]:
+    sizes = ", ".join(str(n * chip.cores_per_chip) for n in SHAPES[chip.dims])
+    raise UserError(f"Unknown topology {name!r}: {gen} slices here are {gen}-{{{sizes}}}.")
+  return Topology(name, gen, SHAPES[chip.dims][chips], chips)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+  """libtpu warns on stderr, from C, that this machine has no TPU metadata: expected here."""
+  saved = os.dup(2)
+  with open(os.devnull, "w") as null:
+    os.dup2(null.fileno(), 2)
+    try:
+      yield
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+
+
+def devices(topology: Topology) -> list:
+  """The slice's devices (abstract: they compile, they never run), one per chip."""
+  if importlib.util.find_spec("libtpu") is None:
+    raise UserError(
+      'Planning for TPU needs libtpu, which this environment lacks: pip install -e ".[tpu]"'
+    )
+  # libtpu takes a machine-wide lock that a second process (a test, a `zoo run` on a TPU VM)
+  # would fail on; describing a topology touches no chip, so sharing is safe.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies
+
+  kw = {}
+  if topology.chip.cores_per_chip == 2:
+    kw["chip_config_name"] = "megacore"  # one device per chip, as Cloud TPU VMs run v4 and v5p
+  if topology.chips == 1:
+    kw["chips_per_host_bounds"] = (1, 1, 1)  # the default host is 2x2 chips
+  try:
+    with _quiet_stderr():
+      desc = topologies.get_topology_desc(platform="tpu", topology_name=topology.jax_name, **kw)
+  except Exception as e:  # libtpu rejects a shape it cannot build
+    raise UserError(f"libtpu cannot build topology {topology.jax_name}: {e}") from None
+  return list(desc.devices)
+
+
+# The plan
+
+
+def _shard_bytes(tree) -> int:
+  """Bytes one device holds of a tree of placed ShapeDtypeStructs (the largest shard: with
+  uneven splits, the device that holds most)."""
+  import jax
+
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def sequence(cfg) -> int:
+  """Tokens a row: data.seq_len, or a ViT's patches."""
+  m = cfg.model
+  if "seq_len" in cfg.data:
+    return cfg.data.seq_len
+  return (m.image_size // m.patch) ** 2 if "image_size" in m and "patch" in m else 1
+
+
+def model_flops(cfg) -> tuple[float, str]:
+  """Training FLOPs of one step by the usual count (PaLM, appendix B): 6 per parameter per token
+  for the matmuls (forward + backward; the input embedding table is a gather, not counted
+  unless tied to the output head) and 12 * layers * heads * head_dim * context per token for
+  attention's two matmuls, with the full (not causally halved) context, capped by a window.
+  Rematerialisation is not counted: this is the model's work, not the hardware's."""
+  from common import models
+
+  m = cfg.model
+  params = models.num_params(m)
+  if "vocab_size" in m and "dim" in m and not m.get("tie_embeddings", False):
+    params -= m.vocab_size * m.dim
+  tokens = cfg.train.batch_size * sequence(cfg)
+  flops = 6.0 * params * tokens
+  how = f"6 x {params:.3g} params x {tokens:,} tokens"
+  att = m.get("attention")
+  if att is not None and "num_layers" in m:
+    context = min(sequence(cfg), att.window) if att.get("window", 0) else sequence(cfg)
+    flops += 12.0 * m.num_layers * att.num_heads * att.head_dim * context * tokens
+    how += " + attention"
+  return flops, how
+
+
+_OOM = re.compile(
+  r"required for HLO temporaries \(([\d.]+)([KMGT]?)\).*available HBM \(([\d.]+)([KMGT]?)\)"
+)
+
+
+def _bytes(value: str, unit: str) -> int:
+  return int(float(value) * 1024 ** " KMGT".index(unit or " "))
+
+
+def abstract_batch(cfg, layout) -> dict:
+  """The batch the step takes, as `zoo run` feeds it (common/data/), split over the batch axes:
+  packed text rows [B, seq_len + 1] (tokens, segment ids); labelled text rows [B, seq_len] and
+  labels [B]; images [B, H, W, C] float32, labels and weights [B]."""
+  import jax
+
+  from common.data import images, pipeline
+
+  B, kind = cfg.train.batch_size, cfg.data.kind
+  if kind in images.KINDS and "image_size" in cfg.model:
+    size = cfg.model.image_size
+    shapes = {
+      "images": ((B, size, size, cfg.model.get("channels", 3)), np.float32),
+      "labels": ((B,), np.int32),
+      "weights": ((B,), np.float32),
+    }
+  elif kind == "shakespeare_genre":
+    shapes = {
+      "tokens": ((B, cfg.data.seq_len), np.int32),
+      "segment_ids": ((B, cfg.data.seq_len), np.int32),
+      "labels": ((B,), np.int32),
+    }
+  elif kind in pipeline.KINDS:
+    shapes = {k: ((B, cfg.data.seq_len + 1), np.int32) for k in ("tokens", "segment_ids")}
+  else:
+    raise UserError(f"`zoo plan` does not know the batches of data.kind {kind!r} yet.")
+  sharding = jax.sharding.NamedSharding(layout.mesh, layout.batch_spec)
+  return {
+    k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype) in shapes.items()
+  }
+
+
+def _compile(cfg, layout):
+  """(abstract state, compiled step) of `cfg` on `layout`: the step `zoo run` runs."""
+  from common.train import optim
+  from common.train import step as steps
+
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  abstract, shardings = steps.placed_abstract_state(cfg, tx, layout)
+  step_fn = steps.make_train_step(cfg, tx=tx, layout=layout, shardings=shardings)
+  return abstract, step_fn.lower(abstract, abstract_batch(cfg, layout)).compile()
+
+
+def _cost(compiled) -> dict:
+  cost = compiled.cost_analysis() or {}
+  if isinstance(cost, list | tuple):  # older jax: one dict per program
+    cost = cost[0] if cost else {}
+  return {k: float(cost.get(k, 0.0)) for k in ("flops", "bytes accessed", "optimal_seconds")}
+
+
+def estimate_cost(cfg, layout, compiled) -> dict:
+  """The step's per-device flops and bytes accessed as XLA's cost analysis counts them. That
+  analysis counts a loop's body once, whatever its trip count, so a scanned model (`model.scan`)
+  or micro-batches would read as one layer or one slice: then two loop-free probes of one and
+  two layer-pattern periods (no scan, one micro-batch of B / micro_batches rows) give the cost
+  outside the layers and per period, and the step is micro_batches x (outside + layers / period
+  x per period). A loop-free step (or a model without `num_layers`) is read as `compiled`."""
+  layers = cfg.model.get("num_layers")
+  if not layers or (not cfg.model.get("scan", False) and cfg.train.micro_batches == 1):
+    return _cost(compiled)
+  period = len(cfg.model.get("layer_pattern", ())) or 1
+  micro = cfg.train.micro_batches
+  probes = []
+  for n in (period, 2 * period):
+    probe = copy.deepcopy(cfg)
+    probe.model.num_layers = n
+    if "scan" in probe.model:
+      probe.model.scan = False
+    probe.train.micro_batches = 1
+    probe.train.batch_size = cfg.train.batch_size // micro
+    probes.append(_cost(_compile(probe, layout)[1]))
+  return {
+    k: micro * (probes[0][k] + (layers / period - 1) * (probes[1][k] - probes[0][k]))
+    for k in probes[0]
+  }
+
+
+def plan(cfg, topology: str | Topology, *, estimate_time: bool = True) -> dict:
+  """Compiles `cfg`'s train step for `topology` and reports, per device: parameter, optimizer
+  and temporary bytes, the total against the chip's HBM; with `estimate_time`, the step's FLOPs
+  (`estimate_cost`), its roofline time, tokens/s and MFU. `cfg` is used as
+  given: `config(exp, topology)` resolves an experiment with its mesh rule for this hardware."""
+  import jax
+
+  from common import parallel
+  from common.train import optim
+  from common.train import step as steps
+
+  topo = topology if isinstance(topology, Topology) else parse_topology(topology)
+  devs = devices(topo)
+  sizes = mesh.resolve(cfg.mesh, len(devs))
+  parallel.check_fits(cfg.model, sizes, cfg.train.batch_size, cfg.train.micro_batches)
+  # Always a mesh, even of one device: without one the step would be placed on this machine's
+  # own default device (the CPU), not on the slice.
+  layout = parallel.make_layout(sizes, devs)
+  result = {
+    "experiment": cfg.get("experiment", ""),
+    "topology": topo.cloud_name,
+    "jax_topology": topo.jax_name,
+    "hardware": topo.hardware,
+    "chips": topo.chips,
+    "mesh": sizes,
+    "mesh_rule": cfg.get("mesh_rule", ""),
+    "batch_size": cfg.train.batch_size,
+    "seq_len": sequence(cfg),
+    "micro_batches": cfg.train.micro_batches,
+    "remat": cfg.model.get("remat", "none"),
+    "hbm_bytes": topo.chip.hbm,
+  }
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  abstract = steps.placed_abstract_state(cfg, tx, layout)[0]
+  result["param_bytes"] = _shard_bytes(abstract.params)
+  result["optimizer_bytes"] = _shard_bytes(abstract.opt_state)
+  state_bytes = result["param_bytes"] + result["optimizer_bytes"]
+  if state_bytes > result["hbm_bytes"]:
+    # The weights and optimizer state alone overflow: no need to compile to say so.
+    result.update(compile_s=0.0, temp_bytes=0, total_bytes=state_bytes, fits=False)
+    result["fixes"] = fixes(cfg, sizes)
+    return result
+  start = time.perf_counter()
+  try:
+    compiled = _compile(cfg, layout)[1]
+  except jax.errors.JaxRuntimeError as e:
+    # XLA:TPU refuses a program whose temporaries overflow HBM; its message has both sizes.
+    found = _OOM.search(str(e))
+    if "RESOURCE_EXHAUSTED" not in str(e) or not found:
+      raise
+    result["compile_s"] = time.perf_counter() - start
+    result["temp_bytes"] = _bytes(*found.groups()[:2])
+    result["total_bytes"] = result["temp_bytes"] + state_bytes
+    result["hbm_bytes"] = _bytes(*found.groups()[2:])  # the compiler's usable HBM
+    result["fits"] = False
+    result["compiler_says"] = str(e).splitlines()[0][:300]
+    result["fixes"] = fixes(cfg, sizes)
+    return result
+  result["compile_s"] = time.perf_counter() - start
+
+  mem = compiled.memory_analysis()
+  # Live at the peak: the inputs (state and batch), the outputs not aliased to a donated input,
+  # the temporaries and the program itself.
+  result["argument_bytes"] = mem.argument_size_in_bytes
+  result["output_bytes"] = mem.output_size_in_bytes - mem.alias_size_in_bytes
+  result["temp_bytes"] = mem.temp_size_in_bytes
+  result["code_bytes"] = mem.generated_code_size_in_bytes
+  result["total_bytes"] = (
+    result["argument_bytes"] + result["output_bytes"] + result["temp_bytes"] + result["code_bytes"]
+  )
+  result["fits"] = result["total_bytes"] <= result["hbm_bytes"]
+  result["fixes"] = [] if result["fits"] else fixes(cfg, sizes)
+  flops, how = model_flops(cfg)
+  result["model_flops"], result["model_flops_how"] = flops, how
+  if not estimate_time:
+    return result
+  start = time.perf_counter()
+  cost = estimate_cost(cfg, layout, compiled)
+  result["estimate_s"] = time.perf_counter() - start
+  result["compiler_flops_per_device"] = cost["flops"]
+  result["bytes_accessed_per_device"] = cost["bytes accessed"]
+  # XLA:TPU's own `optimal_seconds` comes out negative for full-size steps (measured: -1.8 s for
+  # one Llama 3 8B layer), so the time is a roofline of its counts instead: each device at peak
+  # FLOP/s or at full HBM bandwidth, whichever is slower; collectives are not counted.
+  result["xla_optimal_seconds"] = cost["optimal_seconds"]
+  seconds = max(cost["flops"] / topo.chip.peak, cost["bytes accessed"] / topo.chip.bandwidth)
+  result["step_s"] = seconds if seconds > 0 else None
+  if result["step_s"]:
+    result["tokens_per_s"] = cfg.train.batch_size * sequence(cfg) / seconds
+    result["mfu"] = flops / (seconds * topo.chips * topo.chip.peak)
+  return result
+
+
+def fixes(cfg, sizes: dict[str, int]) -> list[str]:
+  """The levers that lower memory per device and are not pulled yet, most effective first."""
+  out = []
+  devices_ = math.prod(sizes.values())
+  if sizes["fsdp"] < devices_:
+    out.append(
+      f"--config.mesh.fsdp={sizes['fsdp'] * sizes['data']} --config.mesh.data=1 "
+      "(shard parameters and optimizer state over more devices)"
+      if sizes["data"] > 1
+      else "--config.mesh.fsdp=-1 (shard parameters and optimizer state over every device)"
+    )
+  if cfg.model.get("remat", "none") != "full":
+    out.append("--config.model.remat=full (recompute activations in the backward pass)")
+  from common import parallel
+
+  rows = cfg.train.batch_size // math.prod(sizes.get(a, 1) for a in parallel.BATCH_AXES)
+  micro = cfg.train.micro_batches
+  if rows // micro > 1:
+    out.append(
+      f"--config.train.micro_batches={micro * 2} (fewer rows' activations alive at a time)"
+    )
+  out.append("a larger topology (more chips: more HBM in all)")
+  return out
+
+
+def config(exp: str, topology: str | Topology, overrides: dict[str, str] | None = None):
+  """The experiment's config on `topology`: its mesh rule for that hardware, then `overrides`."""
+  from common import experiments
+
+  topo = topology if isinstance(topology, Topology) else parse_topology(topology)
+  return experiments.get_config(exp, overrides, hardware=topo.hardware)
+
+
+def _gib(n: int) -> str:
+  return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.2f} MiB"
+
+
+def format(result: dict) -> str:  # noqa: A001 (the module's formatter, as `plan.format`)
+  """The plan as a few aligned lines."""
+  r = result
+  mesh_txt = " ".join(f"{k}={v}" for k, v in r["mesh"].items())
+  lines = [
+    f"{r['experiment']} on {r['topology']} ({r['jax_topology']}, {r['chips']} chips, "
+    f"hardware name {r['hardware']})",
+    f"  mesh rule      {r['mesh_rule'] or 'none'}",
+    f"  mesh           {mesh_txt}; batch {r['batch_size']} x {r['seq_len']} tokens, "
+    f"micro_batches {r['micro_batches']}, remat {r['remat']}",
+    f"  memory/device  params {_gib(r['param_bytes'])}, optimizer {_gib(r['optimizer_bytes'])}, "
+    f"temporaries {_gib(r['temp_bytes'])}; total {_gib(r['total_bytes'])} of "
+    f"{_gib(r['hbm_bytes'])} HBM: {'fits' if r['fits'] else 'DOES NOT FIT'}",
+  ]
+  if "compiler_says" in r:
+    lines.append(f"  compiler       {r['compiler_says']}")
+  if "model_flops" in r:
+    compiler = (
+      f"; compiler {r['compiler_flops_per_device']:.3g}/device"
+      if "compiler_flops_per_device" in r
+      else ""
+    )
+    lines.append(
+      f"  FLOPs          model {r['model_flops']:.3g}/step ({r['model_flops_how']}){compiler}"
+    )
+  if r.get("step_s"):
+    lines.append(
+      f"  time           {r['step_s']:.3g} s/step (roofline of XLA's counts), "
+      f"{r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.0%}"
+    )
+  elif "estimate_s" in r:
+    lines.append("  time           the compiler gave no time estimate")
+  extra = f" + {r['estimate_s']:.1f} s for the time estimate" if "estimate_s" in r else ""
+  lines.append(f"  compile        {r['compile_s']:.1f} s{extra} on this machine")
+  if r["fixes"]:
+    lines.append("  to fit, try    " + "\n                 ".join(r["fixes"]))
+  return "\n".join(lines)
