@@ -59,7 +59,21 @@ def unsupported_reason(
     return f"queries and keys of different lengths ({T} and {S})"
   if N % K:
     return f"{N} query heads are not a multiple of {K} key/value heads"
+  if _varying(q_BTNH):
+    # jax's splash kernel declares its pallas_call outputs without shard_map's varying axes,
+    # which a shard_map with check_vma=True (the trainer's) refuses; run it where vma is off.
+    return "jax's splash kernel cannot run inside a shard_map with check_vma=True (the trainer's)"
   return None
+
+
+def _varying(x) -> bool:
+  """Does `x` vary over mesh axes, as a value inside a check_vma shard_map does?"""
+  try:
+    aval = jax.typeof(x)
+  except TypeError:  # a ShapeDtypeStruct or anything else with a shape: not traced
+    return False
+  mat = getattr(aval, "mat", None)
+  return bool(getattr(aval, "vma", None) or getattr(mat, "varying", None))
 
 
 def _block(length: int) -> int:

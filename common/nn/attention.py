@@ -5,7 +5,8 @@ to each other, optional QK-norm, QKV bias and logit soft-cap. The position encod
 by the model (see common/position.py), so attention never branches on which one it is.
 
 `impl` picks how the softmax(q k^T) v core runs: "xla" (`attend` below, the reference), "flash"
-(the Pallas kernel in kernels/flash_attention.py; Pallas interpret mode on CPU) or "cudnn"
+(the Pallas kernel in kernels/flash_attention.py, Pallas interpret mode on CPU; on TPU jax's
+splash attention, kernels/tpu_attention.py) or "cudnn"
 (`jax.nn.dot_product_attention(implementation="cudnn")`, GPU only). Where the chosen one does not
 apply, the layer runs "xla" and logs the reason once (see `choose_impl`).
 """
@@ -23,7 +24,7 @@ from common.errors import UserError
 from common.nn import norms
 from common.nn.linear import Linear
 from common.nn.position import Position
-from kernels import flash_attention
+from kernels import flash_attention, tpu_attention
 
 MASKS = ("causal", "bidirectional")
 IMPLS = ("xla", "flash", "cudnn")
@@ -166,7 +167,8 @@ def choose_impl(
 ) -> str:
   """The implementation that runs: `impl`, or "xla" where it does not apply (reason logged once
   per process, not per call: this runs at trace time)."""
-  backend = backend or jax.default_backend()
+  # The platform being compiled for: a TPU slice's when `zoo plan` compiles for one from a CPU.
+  backend = backend or tpu_attention.target_platform()
   reason = None
   if impl == "flash":
     if bias:
@@ -175,8 +177,6 @@ def choose_impl(
       # A decoding step is a few query rows against the whole cache: a padded block of queries
       # would be mostly waste, and the cache's fill mask is no causal/window/segment rule.
       reason = "decoding with a KV cache"
-    elif backend == "tpu":
-      reason = "the flash kernel is compiled for GPU only (see kernels/flash_attention.py)"
     elif backend == "cpu":
       # Not a fallback: the same kernel, emulated by XLA loops; on CPU it is no slower than
       # "xla" and holds no [T, S] array (bench/attention.py), and it keeps "flash" testable.
@@ -297,7 +297,23 @@ class Attention(nnx.Module):
     )
     # Under tensor parallelism each branch sees only this device's heads, so the kernels run
     # per shard with no collective of their own.
-    if impl == "flash":
+    if impl == "flash" and tpu_attention.target_platform() == "tpu":
+      reason = tpu_attention.unsupported_reason(q_BTNH, k_BSKH, bias=False, cache=False)
+      if reason is not None:
+        _log_once(impl, f"falls back to 'xla': {reason}")
+        impl = "xla"
+    if impl == "flash" and tpu_attention.target_platform() == "tpu":
+      out_BTNH = tpu_attention.attention(
+        q_BTNH,
+        k_BSKH,
+        v_BSKH,
+        causal=self.causal,
+        window=self.window,
+        segment_ids_BT=segment_ids_BT if segments_given else None,
+        softcap=self.softcap,
+        scale=self.scale,
+      )
+    elif impl == "flash":
       seg = segment_ids_BT if segments_given else None
       out_BTNH = flash_attention.flash_attention(
         q_BTNH,

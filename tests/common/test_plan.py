@@ -198,3 +198,33 @@ def test_every_smoke_experiment_compiles_for_a_tpu_slice(name):
       raise
     pytest.skip(str(e))  # a data kind plan has no batch shapes for (abstract_batch)
   assert result["fits"] and result["total_bytes"] > result["param_bytes"] > 0
+
+
+# Every attention configuration the recipes use (GQA, windows, QK-norm, Gemma's soft-caps and
+# layer pattern, MQA), with attention.impl=flash, in the real train step for a TPU slice. jax's
+# splash kernel declares its outputs without shard_map's varying axes, so inside the trainer's
+# check_vma shard_map the layer runs "xla" and says why, once (the kernel itself is compiled for
+# TPU forward and backward in tests/kernels/test_tpu_attention.py, under check_vma=False).
+FLASH_RECIPES = ["lm/llama3-8b", "lm/mistral-7b", "lm/qwen3-0.6b", "lm/gemma2-2b", "lm/gemma3-1b"]
+
+
+@libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FLASH_RECIPES)
+def test_flash_attention_train_step_compiles_for_tpu(name, caplog):
+  from common import parallel
+  from common.nn import attention
+
+  attention._logged.clear()
+  topology = plan.parse_topology("v5e:2x2")
+  cfg = plan.config(
+    f"{name}:smoke",
+    topology,
+    {"model.attention.impl": "flash", "mesh.data": "4", "data.seq_len": "128"},
+  )
+  layout = parallel.make_layout(mesh.resolve(cfg.mesh, 4), plan.devices(topology))
+  with caplog.at_level("WARNING"):
+    _, compiled = plan._compile(cfg, layout)
+  assert compiled.memory_analysis() is not None
+  messages = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
+  assert len(messages) == 1 and "check_vma" in messages[0], messages
