@@ -11,6 +11,7 @@ from common.errors import Preempted, UserError
 USAGE = """\
 zoo list                                          # the experiments, one line each
 zoo show EXP [--config.KEY=VALUE ...]             # the resolved config and parameter count
+zoo plan EXP --topology NAME [--config.KEY=VALUE ...]  # compile for a TPU slice: memory, time
 zoo run  EXP --workdir DIR [--config.KEY=VALUE ...]   # train; resumes if DIR has a checkpoint
 zoo eval EXP --workdir DIR [--config.KEY=VALUE ...]   # held-out loss of DIR's latest checkpoint
 zoo generate --workdir DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
@@ -53,6 +54,10 @@ def parser() -> argparse.ArgumentParser:
   show = sub.add_parser("show")
   show.add_argument("exp")
   show.add_argument("--mesh-rule", help="pick the mesh rule for this hardware name")
+  show.add_argument("--topology", help="pick the mesh rule for this TPU topology (v5p-128)")
+  plan = sub.add_parser("plan")
+  plan.add_argument("exp")
+  plan.add_argument("--topology", required=True, help="v5p-128, v5e-16, v5p:4x4x4, ...")
   for name in ("run", "eval"):
     s = sub.add_parser(name)
     s.add_argument("exp")
@@ -104,6 +109,10 @@ def cmd_show(args, overrides):
   from common import experiments, models
   from common.nn import lora
 
+  if args.topology:  # a TPU slice's hardware name, from the name alone (no libtpu needed)
+    from common import plan
+
+    args.mesh_rule = plan.parse_topology(args.topology).hardware
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
   print(cfg)
   print(f"# mesh rule: {cfg.mesh_rule}")
@@ -122,6 +131,18 @@ def cmd_show(args, overrides):
   if cfg.model.get("lora") is not None and cfg.model.lora.rank:
     trained = models.num_params(cfg.model, lora.trainable(cfg.model))
     print(f"# trained: {trained:,} (LoRA adapters and model.lora.train; the rest frozen)")
+
+
+def cmd_plan(args, overrides):
+  from common import plan
+
+  cfg = plan.config(args.exp, args.topology, overrides)
+  result = plan.plan(cfg, args.topology)
+  print(plan.format(result))
+  if not result["fits"]:  # exit 2, as every user error: the fix is in the message
+    raise UserError(
+      f"{args.exp} does not fit on {result['topology']}: try " + "; or ".join(result["fixes"])
+    )
 
 
 def cmd_run(args, overrides):
@@ -200,6 +221,7 @@ def cmd_export(args, _overrides):
 COMMANDS = {
   "list": cmd_list,
   "show": cmd_show,
+  "plan": cmd_plan,
   "run": cmd_run,
   "eval": cmd_eval,
   "generate": cmd_generate,
