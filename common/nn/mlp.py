@@ -26,7 +26,8 @@ ACTIVATIONS: dict[str, Callable] = {
 GATED = {"swiglu", "geglu"}
 
 # kind -> the class built for it: __init__(cfg, dim, *, out_init_std, dtype, param_dtype, rngs)
-# and __call__(x_BTD) -> y_BTD.
+# and __call__(x_BTD, *, mask_BT=None) -> y_BTD (mask_BT: 1 for real tokens, 0 for padding;
+# what a layer with batch statistics, an MoE's router losses, weights them by).
 KINDS: dict[str, type] = {}
 
 
@@ -77,7 +78,8 @@ class MLP(nnx.Module):
     self.up = Linear(dim, F, axes=("D", "F"), **kw)
     self.down = Linear(F, dim, axes=("F", "D"), init_std=out_init_std, **kw)
 
-  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, *, mask_BT: jax.Array | None = None) -> jax.Array:
+    del mask_BT  # token-wise: padding changes nothing here
     if self.gate is not None:
       h_BTF = self.act(self.gate(x_BTD)) * self.up(x_BTD)
     else:

@@ -45,6 +45,17 @@ changes no loss):
 
 `mask_BT` (1 for real tokens, 0 for padding), when given, weights these statistics as
 transformers' `attention_mask` does; padding tokens are still routed, computed and take capacity.
+
+Expert parallelism (inside a sharded step whose mesh has `expert` = X > 1): each device holds
+E_l = E / X experts (its shard of the E axis) and its own batch shard. It routes its tokens
+itself, sends each assignment's row to the device holding its expert with one
+`jax.lax.all_to_all` over `expert`, runs its E_l experts on what arrived (the same grouped
+matmul), and a second all-to-all brings the outputs back to their tokens, combined there. The
+buffers are fixed-size (XLA:CPU has no ragged all-to-all): a device sends each of the X others
+C = N * min(k, E_l) rows, padded. That bound is dropless: a token's k experts are distinct, so
+at most min(k, E_l) of them live on any one device, whatever the routing. FSDP gathers the
+experts' D dim as without it; with F split over `tensor` each tensor rank exchanges the same
+rows and the routed output is reduced over `tensor` after the combine, as without it.
 """
 
 import math
@@ -123,6 +134,14 @@ def route(logits_NE: jax.Array, *, top_k: int, norm_topk_prob: bool):
   if norm_topk_prob:
     weights_Nk = weights_Nk / jnp.sum(weights_Nk, axis=-1, keepdims=True)
   return weights_Nk, experts_Nk, probs_NE
+
+
+def expert_shards() -> int:
+  """X: how many devices the experts are split over (1 outside a sharded step)."""
+  layout = parallel._ACTIVE.get()
+  if layout is None or layout.axis_of("E") != "expert":
+    return 1
+  return layout.sizes["expert"]
 
 
 def resolve_impl(impl: str) -> str:
@@ -270,6 +289,13 @@ def _gmm_bwd(res, g_RO):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
+def _all_experts(w_E___):
+  """All E experts of a weight split over `expert` (the shard as is otherwise)."""
+  if expert_shards() == 1:
+    return w_E___
+  return jax.lax.all_gather(w_E___, "expert", axis=0, tiled=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # The layer.
 
@@ -346,16 +372,23 @@ class MoE(nnx.Module):
       weights_Nk = jnp.where((rank_A < capacity).reshape(B * T, k), weights_Nk, 0.0)
     weights_Nk = weights_Nk.astype(self.dtype)
 
-    w = self._expert_weights()
+    shards = expert_shards()
+    # The reference loop runs every expert here, so it gathers all of them (E x the memory).
+    w = self._expert_weights(whole_E=self.impl == "loop")
     x_ND = x_ND.astype(self.dtype)
     if self.impl == "loop":
       y_ND = self._loop(x_ND, w, experts_Nk, weights_Nk)
+    elif shards > 1:
+      y_ND = self._expert_parallel(x_ND, w, experts_A, sizes_E, rank_A, weights_Nk, shards)
     else:
-      y_ND = self._grouped(x_ND, w, experts_A, order_A, sizes_E, rank_A, weights_Nk)
+      ys_AD = self._per_assignment(x_ND, w, experts_A, order_A, sizes_E, rank_A, k=k, E=E)
+      # A weighted sum over k, not an einsum: XLA:CPU would run that as N tiny batched matmuls.
+      y_ND = jnp.sum(weights_Nk[..., None] * ys_AD.reshape(B * T, k, D), axis=1)
     # Each device holds an F slice of every expert when F is split over `tensor`: y is partial.
     y_ND = parallel.reduce(y_ND, "F")
     if self.down_bias is not None:  # after the reduce: added once, not per shard
-      bias_ND = jnp.sum(weights_Nk[..., None] * w["down_bias"][experts_Nk], axis=1)
+      down_bias_ED = w["down_bias"] if self.impl == "loop" else _all_experts(w["down_bias"])
+      bias_ND = jnp.sum(weights_Nk[..., None] * down_bias_ED[experts_Nk], axis=1)
       y_ND = y_ND + bias_ND
 
     if self.shared is not None:
@@ -365,9 +398,14 @@ class MoE(nnx.Module):
       y_ND = y_ND + shared_ND
     return y_ND.reshape(B, T, D)
 
-  def _expert_weights(self) -> dict[str, jax.Array | None]:
+  def _expert_weights(self, whole_E: bool = False) -> dict[str, jax.Array | None]:
+    """This device's experts' weights, fsdp dims gathered (all E experts when `whole_E`)."""
+
     def get(p, axes):
-      return None if p is None else parallel.gather(p[...], axes).astype(self.dtype)
+      if p is None:
+        return None
+      w = parallel.gather(p[...], axes).astype(self.dtype)
+      return _all_experts(w) if whole_E else w
 
     return {
       "gate": get(self.gate, ("E", "D", "F")),
@@ -397,34 +435,69 @@ class MoE(nnx.Module):
       y_ND = y_ND + combine_NE[:, e : e + 1] * jnp.dot(h_NF, w["down"][e])
     return y_ND
 
-  def _grouped(self, x_ND, w, experts_A, order_A, sizes_E, rank_A, weights_Nk):
-    """The assignments' rows sorted by expert (padded per expert for "blocked"), each group
-    through its own expert, and the results weighted back into token order."""
-    N, k, E = x_ND.shape[0], self.top_k, self.num_experts
+  def _per_assignment(self, x_ND, w, experts_A, order_A, sizes_E, rank_A, *, k, E, rows=None):
+    """Each assignment's expert output, unweighted [A, D] (A = N * k, assignment n * k + j is
+    token n's slot j): the rows sorted by expert (padded per expert for "blocked"), each group
+    through its own expert of `w`, and brought back to assignment order. An assignment whose
+    expert is E (a padding row of the expert-parallel buffer) is computed by no expert and its
+    row is 0. `rows`: how many real assignments to expect (A), what sizes the blocks."""
+    N = x_ND.shape[0]
     A = N * k
+    real_A = experts_A < E
     if self.impl == "ragged":
+      # Padding rows sort last, past every group: ragged_dot gives them zeros.
       slot_A = jnp.zeros((A,), jnp.int32).at[order_A].set(jnp.arange(A, dtype=jnp.int32))
       src_A = order_A  # the assignment in each row
-      R = A
     else:
-      M = _block_rows(A, E)
+      M = _block_rows(A if rows is None else rows, E)
       padded_E = -(-sizes_E // M) * M
       pstarts_E = jnp.cumsum(padded_E) - padded_E
-      slot_A = pstarts_E[experts_A] + rank_A
       G = -(-(A + E * (M - 1)) // M)  # the most blocks any routing can need
       R = G * M
+      # Padding assignments get no row (slot R: out of range, so dropped by the scatter).
+      slot_A = jnp.where(real_A, pstarts_E[jnp.minimum(experts_A, E - 1)] + rank_A, R)
       # Rows no assignment fills point past the end: they read zeros and are never read back.
       src_A = jnp.full((R,), A, jnp.int32).at[slot_A].set(jnp.arange(A, dtype=jnp.int32))
     token_R = jnp.where(src_A < A, src_A // k, N)
-    slot_Nk = slot_A.reshape(N, k)
-    xs_RD = _gather_rows(x_ND, token_R, slot_Nk)
+    xs_RD = _gather_rows(x_ND, token_R, slot_A.reshape(N, k))
     if self.impl == "ragged":
-      ys_RD = self._ragged(xs_RD, w, sizes_E, experts_A[order_A])
+      ys_RD = self._ragged(xs_RD, w, sizes_E, jnp.minimum(experts_A[order_A], E - 1))
     else:
       ys_RD = self._blocked(xs_RD, w, padded_E, M)
-    ys_AD = _gather_rows(ys_RD, slot_A, src_A[:, None])
+    return _gather_rows(ys_RD, slot_A, src_A[:, None])
+
+  def _expert_parallel(self, x_ND, w, experts_A, sizes_E, rank_A, weights_Nk, shards):
+    """The routed output with the experts split over the `expert` mesh axis (X = `shards`
+    devices, E_l experts each): each assignment's row sent to its expert's device and its
+    output sent back by all-to-all (see the module docstring for the buffer bound)."""
+    (N, D), k, E = x_ND.shape, self.top_k, self.num_experts
+    A, El = N * k, E // shards
+    C = N * min(k, El)  # rows per destination: dropless (module docstring)
+    R = shards * C
+    # The send buffer: destination-major (destination = expert // E_l), and in each
+    # destination's C rows its assignments sorted by expert (token order within one), then
+    # padding. Its place among its destination's is its rank among its expert's plus the
+    # assignments of that destination's earlier experts.
+    dest_A = experts_A // El
+    starts_E = jnp.cumsum(sizes_E) - sizes_E
+    slot_A = dest_A * C + starts_E[experts_A] - starts_E[dest_A * El] + rank_A
+    src_R = jnp.full((R,), A, jnp.int32).at[slot_A].set(jnp.arange(A, dtype=jnp.int32))
+    # Each row's expert among its destination's E_l (E_l marks padding).
+    local_R = jnp.full((R,), El, jnp.int32).at[slot_A].set(experts_A % El)
+    token_R = jnp.where(src_R < A, src_R // k, N)
+    send_RD = _gather_rows(x_ND, token_R, slot_A.reshape(N, k))
+
+    def exchange(v):
+      """Chunk j of v to device j; back, chunk i from device i (its own transpose)."""
+      return jax.lax.all_to_all(v, "expert", 0, 0, tiled=True)
+
+    # What arrived: C rows from each device, for this device's experts.
+    recv_RD, recv_R = exchange(send_RD), exchange(local_R)
+    order_R, sizes_El, rank_R = _sort_by_expert(recv_R, El)
+    out_RD = self._per_assignment(recv_RD, w, recv_R, order_R, sizes_El, rank_R, k=1, E=El, rows=A)
+    ys_AD = _gather_rows(exchange(out_RD), slot_A, src_R[:, None])
     # A weighted sum over k, not an einsum: XLA:CPU would run that as N tiny batched matmuls.
-    return jnp.sum(weights_Nk[..., None] * ys_AD.reshape(N, k, -1), axis=1)
+    return jnp.sum(weights_Nk[..., None] * ys_AD.reshape(N, k, D), axis=1)
 
   def _ragged(self, xs_AD, w, sizes_E, experts_sorted_A):
     def dot(x, W, b):

@@ -157,7 +157,9 @@ class Block(nnx.Module):
       cache=cache,
     )
     x_BTD = self._residual(x_BTD, h_BTD, self.attn_norm, self.attn_out_norm)
-    h_BTD = self.mlp(x_BTD if post else self.mlp_norm(x_BTD))
+    # The padding mask (segment 0) keeps padding out of an MoE's load-balancing statistics.
+    mask_BT = None if segment_ids_BT is None else segment_ids_BT != 0
+    h_BTD = self.mlp(x_BTD if post else self.mlp_norm(x_BTD), mask_BT=mask_BT)
     return self._residual(x_BTD, h_BTD, self.mlp_norm, self.mlp_out_norm), cache
 
   def _residual(self, x_BTD, h_BTD, norm, out_norm):

@@ -58,6 +58,7 @@ def get_config(arg=None):
     c.model = llama.config(
         "tiny", vocab_size=256, num_experts=4, top_k=2, hidden_dim=64, router_aux_coef=0.02
     )
-    c.train.update(steps=4, batch_size=4, log_every=1, eval_every=4, eval_batches=2,
+    # A batch of 8, so the 8-device form (expert 4 x data 2) runs too.
+    c.train.update(steps=4, batch_size=8, log_every=1, eval_every=4, eval_batches=2,
                    checkpoint_every=2)
   return c

@@ -228,6 +228,30 @@ def test_load_balance_loss_equals_transformers(with_mask):
   np.testing.assert_allclose(got["moe_expert_load"], counts.max() / counts.mean(), rtol=1e-5)
 
 
+def test_stack_passes_the_padding_mask_to_the_aux_losses():
+  """In a Llama MoE decoder, tokens of segment 0 (padding) count in no aux statistic: changing
+  them changes no aux loss (the real tokens never attend to them)."""
+  from zoo.llama import model as llama
+
+  cfg = llama.config("tiny", num_experts=4, top_k=2, router_aux_coef=0.02, router_z_coef=0.01)
+  graphdef, params = nnx.split(fill(nnx.eval_shape(lambda: llama.Model(cfg, rngs=nnx.Rngs(0)))))
+  segments = np.ones((2, 9), np.int32)
+  segments[1, 5:] = 0
+  tokens = np.random.default_rng(0).integers(0, 256, (2, 9)).astype(np.int32)
+  other = np.where(segments == 0, (tokens + 7) % 256, tokens)
+
+  @jax.jit
+  def aux_means(tokens):
+    with aux.collect() as entries:
+      nnx.merge(graphdef, params)(tokens, segment_ids_BT=jnp.asarray(segments))
+    return aux.means(entries)
+
+  got, changed = aux_means(tokens), aux_means(other)
+  assert got.keys() == {"moe_load_balance", "moe_router_z", "moe_expert_load"}
+  for name in got:
+    np.testing.assert_allclose(changed[name], got[name], rtol=1e-6, err_msg=name)
+
+
 def test_aux_weights_from_config_and_silent_without_collector():
   model = make(aux_coef=0.01, z_coef=0.001)
   x = jax.ShapeDtypeStruct((1, 4, D), jnp.float32)
@@ -291,9 +315,9 @@ def objective(model, x, dy, mask):
   count = jnp.sum(mask)  # as the trainer weighs its aux losses: by the local target count
   return jnp.sum(y * dy) + count * aux.weighted_sum(entries), aux.means(entries)
 
-def value_and_grads(impl, layout=None):
-  cfg = moe.config(num_experts=6, top_k=2, hidden_dim=12, shared_hidden_dim=10, shared_gate=True,
-                   aux_coef=0.1, z_coef=0.01, impl=impl)
+def value_and_grads(impl, layout=None, **kw):
+  cfg = moe.config(**{"num_experts": 6, "top_k": 2, "hidden_dim": 12, "shared_hidden_dim": 10,
+                      "shared_gate": True, "aux_coef": 0.1, "z_coef": 0.01, "impl": impl, **kw})
   graphdef, params = nnx.split(fill(nnx.eval_shape(lambda: moe.MoE(cfg, 8, rngs=nnx.Rngs(0)))))
   f = jax.value_and_grad(lambda p, *a: objective(nnx.merge(graphdef, p), *a), has_aux=True)
 
@@ -316,16 +340,21 @@ def value_and_grads(impl, layout=None):
 rng = np.random.default_rng(0)
 x, dy = (jnp.asarray(rng.standard_normal((4, 5, 8)), jnp.float32) for _ in range(2))
 mask = jnp.asarray(rng.random((4, 5)) < 0.8, jnp.float32)
-ref_fn, _ = value_and_grads("blocked")
 out = {}
-# fsdp gathers D, tensor splits F (a psum of the routed output), the batch over data x fsdp.
-for impl, sizes in (("blocked", (1, 2, 2)), ("ragged", (2, 2, 1))):
-  layout = parallel.make_layout(dict(zip(("data", "fsdp", "tensor"), sizes)), jax.devices()[:4])
-  fn, params = value_and_grads(impl, layout)
-  ref, gref = ref_fn(params, x, dy, mask)
+# (data, fsdp, expert, tensor): fsdp gathers D, tensor splits F (a psum of the routed output),
+# expert splits E (3 experts a device, tokens sent to them by all-to-all), the batch over data x
+# fsdp x expert. The last: biases (the down bias added at the token's device), 3 slots a token.
+BIAS = {"use_bias": True, "activation": "gelu", "top_k": 3}
+for impl, sizes, kw in (("blocked", (1, 2, 1, 2), {}), ("ragged", (2, 2, 1, 1), {}),
+                        ("blocked", (1, 1, 2, 2), {}), ("ragged", (1, 2, 2, 1), {}),
+                        ("loop", (2, 1, 2, 1), {}), ("blocked", (1, 2, 2, 1), BIAS)):
+  layout = parallel.make_layout(dict(zip(parallel.AXES, sizes)), jax.devices()[:4])
+  fn, params = value_and_grads(impl, layout, **kw)
+  ref, gref = value_and_grads("blocked", **kw)[0](params, x, dy, mask)
   got, g = fn(params, x, dy, mask)
   diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(*map(jax.tree.leaves, (g, gref))))
-  out[f"{impl} {sizes}"] = {"aux": {k: [float(got[k]), float(ref[k])] for k in ref}, "grad": diff}
+  aux_pairs = {k: [float(got[k]), float(ref[k])] for k in ref}
+  out[f"{impl} {sizes} {kw}"] = {"aux": aux_pairs, "grad": diff}
 print(json.dumps(out))
 """
 
@@ -333,8 +362,9 @@ print(json.dumps(out))
 @pytest.mark.multidevice
 @pytest.mark.slow
 def test_mesh_changes_no_loss():
-  """Aux losses and gradients (aux included, weighted as the trainer does) on a data x fsdp x
-  tensor mesh equal one device's: the aux statistics are global-batch sums."""
+  """Aux losses and gradients (aux included, weighted as the trainer does) on data x fsdp x
+  expert x tensor meshes equal one device's: the aux statistics are global-batch sums, and the
+  expert-parallel all-to-alls drop nothing."""
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
   proc = subprocess.run(
     [sys.executable, "-c", SHARDED], cwd=ROOT, env=env, capture_output=True, text=True

@@ -24,9 +24,9 @@ class ToyL2(mlp.MLP):
     super().__init__(cfg, dim, **kw)
     self.weight = cfg.toy_weight
 
-  def __call__(self, x_BTD):
+  def __call__(self, x_BTD, **kw):
     aux.add("toy_l2", jnp.sum(self.down.kernel[...] ** 2), weight=self.weight)
-    return super().__call__(x_BTD)
+    return super().__call__(x_BTD, **kw)
 
 
 def toy_config(weight: float, **levers):

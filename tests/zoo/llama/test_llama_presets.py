@@ -14,12 +14,22 @@ PUBLISHED = {
   "mistral-7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
   "qwen2.5-0.5b": 494_032_768,  # Qwen/Qwen2.5-0.5B (QKV bias, tied)
   "qwen3-0.6b": 596_049_920,  # Qwen/Qwen3-0.6B (QK-norm, tied)
+  # Mixtures of experts: transformers' counts (MixtralForCausalLM, Qwen3MoeForCausalLM).
+  "mixtral-8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1
+  "qwen3-30b-a3b": 30_532_122_624,  # Qwen/Qwen3-30B-A3B
 }
+# Parameters one token computes with (the experts count top_k / num_experts).
+ACTIVE = {"mixtral-8x7b": 12_879_925_248, "qwen3-30b-a3b": 3_353_032_704}
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
 def test_preset_parameter_count(preset):
   assert models.num_params(llama.config(preset)) == PUBLISHED[preset]
+
+
+@pytest.mark.parametrize("preset", sorted(ACTIVE))
+def test_moe_preset_active_parameters(preset):
+  assert models.num_active_params(llama.config(preset)) == ACTIVE[preset]
 
 
 def test_every_preset_is_checked_or_tiny():
