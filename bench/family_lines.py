@@ -39,9 +39,7 @@ def main():
       if p.endswith(".py") and f"zoo.{family}" in (ROOT / p).read_text()
     ]
     goldens = [
-      p
-      for p in tracked("tests/golden")
-      if f"model.family: '{family}'" in (ROOT / p).read_text()
+      p for p in tracked("tests/golden") if f"model.family: '{family}'" in (ROOT / p).read_text()
     ]
     special = re.compile(rf"zoo[./]{family}\b|family\s*==\s*['\"]{family}['\"]")
     outside = sum(

@@ -33,7 +33,8 @@ def get_config(arg=None):
       seq_len=8192,
   )
 
-  # Model: the published gemma2-2b dimensions: sliding-window (4,096) and global layers alternating, soft-capped.
+  # Model: the published gemma2-2b dimensions: sliding-window (4,096) and global layers
+  # alternating, soft-capped.
   c.model = gemma.config("gemma2-2b")
   c.model.dtype = "bfloat16"
 

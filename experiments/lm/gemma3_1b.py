@@ -33,7 +33,8 @@ def get_config(arg=None):
       seq_len=8192,
   )
 
-  # Model: the published gemma3-1b dimensions: five sliding-window (512) layers to one global, two RoPE thetas.
+  # Model: the published gemma3-1b dimensions: five sliding-window (512) layers to one global,
+  # two RoPE thetas.
   c.model = gemma.config("gemma3-1b")
   c.model.dtype = "bfloat16"
 
