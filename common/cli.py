@@ -117,7 +117,7 @@ def cmd_show(args, overrides):
   print(cfg)
   print(f"# mesh rule: {cfg.mesh_rule}")
   print(f"# parameters: {models.num_params(cfg.model):,} (computed abstractly, nothing allocated)")
-  if cfg.model.mlp.kind == "moe":
+  if cfg.model.get("mlp") and cfg.model.mlp.kind == "moe":  # CLIP's towers: no top-level mlp
     mlp = cfg.model.mlp
     print(
       f"# active per token: {models.num_active_params(cfg.model):,} ({mlp.top_k} of "
@@ -157,17 +157,16 @@ def cmd_run(args, overrides):
 
 def cmd_eval(args, overrides):
   from common import distributed, experiments
-  from common.data import pipeline, tokenizers
   from common.hub import weights
   from common.train import metrics, trainer
 
   distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
   graphdef, params, step = weights.restore_params(cfg, args.workdir)
-  rows = pipeline.load_split(cfg.data, "eval", tokenizers.load(cfg.data.tokenizer))
-  if rows is None:
+  data = trainer.load_data(cfg, train=False)
+  if data.eval is None:
     raise UserError(f"{args.exp} has no held-out split: set data.eval_files.")
-  result = trainer.evaluate(params, rows, graphdef=graphdef, cfg=cfg)
+  result = trainer.evaluate(params, data, graphdef=graphdef, cfg=cfg)
   log = metrics.MetricsLog(args.workdir)
   log.write(step, result, split="eval")
   log.close()
@@ -176,21 +175,51 @@ def cmd_eval(args, overrides):
 
 def cmd_generate(args, _overrides):
   import jax
+  import numpy as np
 
   from common import config as config_lib
   from common import models, sampling
-  from common.data import tokenizers
+  from common.data import spans, tokenizers
   from common.hub import weights
+  from common.nn.transformer import EncoderDecoder
 
   path = os.path.join(args.workdir, "config.json")
   if not os.path.exists(path):
     raise UserError(f"{args.workdir} has no config.json: give the --workdir of a `zoo run`.")
   with open(path) as f:
     cfg = config_lib.from_json(f.read())
-  if not hasattr(models.family_module(cfg.model.family).Model, "init_cache"):
+  model_cls = models.family_module(cfg.model.family).Model
+  seq2seq = issubclass(model_cls, EncoderDecoder)
+  if not seq2seq and not hasattr(model_cls, "init_cache"):
     raise UserError(f"{cfg.model.family} is an encoder: `zoo generate` needs a decoder.")
+  if not seq2seq and spans.has_sentinels(args.prompt):
+    raise UserError(
+      f"The prompt has T5 sentinels (<extra_id_N>), which {cfg.model.family}, a decoder-only "
+      "model, does not read: give plain text, or the --workdir of an encoder-decoder run."
+    )
   graphdef, params, _ = weights.restore_params(cfg, args.workdir)
   tokenizer = tokenizers.load(cfg.data.tokenizer)
+  if seq2seq:  # the prompt is the encoder's input; the decoder writes the output
+    extra = cfg.data.get("extra_ids", 0)  # absent in a `zoo convert` output: T5's tokenizer
+    vocab = tokenizer.vocab_size + extra
+    prompt = spans.encode_prompt(args.prompt, tokenizer, vocab, extra)
+    if tokenizer.eos_id is not None:  # T5's inputs end with EOS
+      prompt = np.append(prompt, tokenizer.eos_id)
+    if len(prompt) == 0:
+      raise UserError("The prompt is empty: give --prompt TEXT.")
+    out = sampling.generate_seq2seq(
+      (graphdef, params),
+      prompt[None],
+      max_new_tokens=args.max_new_tokens,
+      rng=jax.random.key(args.seed),
+      temperature=args.temperature,
+      top_k=args.top_k,
+      top_p=args.top_p,
+    )[0].tolist()
+    if tokenizer.eos_id in out:
+      out = out[: out.index(tokenizer.eos_id)]
+    print(spans.decode_output(out, tokenizer, vocab, extra))
+    return
   prompt = tokenizer.encode(args.prompt)
   if len(prompt) == 0:
     raise UserError("The prompt is empty: give --prompt TEXT.")

@@ -1,11 +1,15 @@
 """Sampling from a decoder with its KV cache: one compiled prefill, then a compiled scan over the
-new tokens (no Python per token). Greedy, temperature, top-k and top-p."""
+new tokens (no Python per token). Greedy, temperature, top-k and top-p. An encoder-decoder (T5)
+runs its encoder once on the prompt, then decodes the same way (`generate_seq2seq`)."""
 
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from common.errors import UserError
+from common.nn.transformer import EncoderDecoder
 
 
 def sample_logits(
@@ -53,6 +57,27 @@ def _generate(params, prompt_BP, rng, *, graphdef, max_new_tokens, temperature, 
   return jnp.concatenate([prompt_BP, new_BN.astype(prompt_BP.dtype)], axis=1)
 
 
+def _split(model_or_split, *, seq2seq: bool):
+  """(graphdef, state) of a model or a split one, refusing the other kind of model."""
+  if isinstance(model_or_split, nnx.Module):
+    graphdef, params = nnx.split(model_or_split)
+  else:
+    graphdef, params = model_or_split
+  kind = type(nnx.merge(graphdef, params))  # objects around the same arrays: nothing computed
+  is_seq2seq = issubclass(kind, EncoderDecoder)
+  if is_seq2seq and not seq2seq:
+    raise UserError(
+      "This is an encoder-decoder model: generate with sampling.generate_seq2seq, which encodes "
+      "the prompt and decodes from the start token."
+    )
+  if seq2seq and not is_seq2seq:
+    raise UserError(
+      f"{kind.__name__} is not an encoder-decoder: generate with sampling.generate, "
+      "which continues the prompt."
+    )
+  return graphdef, params
+
+
 def generate(
   model_or_split,
   prompt_BP: jax.Array,
@@ -64,10 +89,7 @@ def generate(
   top_p: float = 1.0,
 ) -> jax.Array:
   """The prompt followed by `max_new_tokens` sampled tokens: [B, P + max_new_tokens]."""
-  if isinstance(model_or_split, nnx.Module):
-    graphdef, params = nnx.split(model_or_split)
-  else:
-    graphdef, params = model_or_split
+  graphdef, params = _split(model_or_split, seq2seq=False)
   if max_new_tokens < 1:
     return prompt_BP
   return _generate(
@@ -90,3 +112,72 @@ def generate_stepwise(model, prompt_BP, *, max_new_tokens: int) -> jax.Array:
     next_B = jnp.argmax(model(tokens)[:, -1], axis=-1)
     tokens = jnp.concatenate([tokens, next_B[:, None].astype(tokens.dtype)], axis=1)
   return tokens
+
+
+@functools.partial(
+  jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p")
+)
+def _generate_seq2seq(
+  params, inputs_BS, segment_ids_BS, rng, *, graphdef, max_new_tokens, temperature, top_k, top_p
+):
+  model = nnx.merge(graphdef, params)
+  B = inputs_BS.shape[0]
+  sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+  source_BSD = model.encode(inputs_BS, segment_ids_BS=segment_ids_BS)  # once, for every step
+  cache = model.init_cache(source_BSD, max_new_tokens, segment_ids_BS=segment_ids_BS)
+
+  def step(carry, step_rng):
+    token_B, cache = carry
+    logits_B1V, cache = model.decode(token_B[:, None], cache=cache)
+    next_B = sample(logits_B1V[:, 0], step_rng)
+    return (next_B, cache), next_B
+
+  start_B = jnp.full((B,), model.decoder_start_id, jnp.int32)
+  _, new_NB = jax.lax.scan(step, (start_B, cache), jax.random.split(rng, max_new_tokens))
+  return new_NB.T.astype(inputs_BS.dtype)
+
+
+def generate_seq2seq(
+  model_or_split,
+  inputs_BS: jax.Array,
+  *,
+  max_new_tokens: int,
+  rng: jax.Array,
+  segment_ids_BS: jax.Array | None = None,
+  temperature: float = 1.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+) -> jax.Array:
+  """An encoder-decoder's output for source tokens `inputs_BS` (segment ids: 0 = padding):
+  `max_new_tokens` tokens sampled after the decoder's start token, [B, max_new_tokens]."""
+  graphdef, params = _split(model_or_split, seq2seq=True)
+  inputs_BS = jnp.asarray(inputs_BS, jnp.int32)
+  if max_new_tokens < 1:
+    return inputs_BS[:, :0]
+  if segment_ids_BS is None:
+    segment_ids_BS = jnp.ones(inputs_BS.shape, jnp.int32)
+  return _generate_seq2seq(
+    params,
+    inputs_BS,
+    jnp.asarray(segment_ids_BS, jnp.int32),
+    rng,
+    graphdef=graphdef,
+    max_new_tokens=max_new_tokens,
+    temperature=float(temperature),
+    top_k=int(top_k),
+    top_p=float(top_p),
+  )
+
+
+def generate_seq2seq_stepwise(model, inputs_BS, *, max_new_tokens: int, segment_ids_BS=None):
+  """Greedy encoder-decoder decoding one Python step at a time, the whole model (encoder
+  included) recomputed for every token: the slow reference of `generate_seq2seq`."""
+  B = inputs_BS.shape[0]
+  decoder_BT = jnp.full((B, 1), model.decoder_start_id, jnp.int32)
+  # Jitted per length: op-by-op dispatch of the whole model is far slower on CPU.
+  forward = nnx.jit(lambda model, x, d, s: model(x, d, segment_ids_BS=s))
+  for _ in range(max_new_tokens):
+    logits_BTV = forward(model, inputs_BS, decoder_BT, segment_ids_BS)
+    next_B = jnp.argmax(logits_BTV[:, -1], axis=-1)
+    decoder_BT = jnp.concatenate([decoder_BT, next_B[:, None].astype(jnp.int32)], axis=1)
+  return decoder_BT[:, 1:]

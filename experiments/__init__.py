@@ -13,5 +13,11 @@ REGISTRY = {
     "lm/shakespeare-finetune": "experiments.lm.shakespeare_finetune",
     "text/minilm-shakespeare-genre": "experiments.text.minilm_shakespeare_genre",
     "bench/llama-19m": "experiments.bench.llama_19m",
+    "seq2seq/shakespeare-spans": "experiments.seq2seq.shakespeare_spans",
+    "seq2seq/t5-small": "experiments.seq2seq.t5_small",
+    "vision/vit-digits": "experiments.vision.vit_digits",
+    "vision/clip-digits": "experiments.vision.clip_digits",
+    "vision/vit-b16": "experiments.vision.vit_b16",
+    "vision/clip-vit-b32": "experiments.vision.clip_vit_b32",
 }
 DEFAULT = "lm/shakespeare-char"

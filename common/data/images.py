@@ -2,7 +2,8 @@
 
 Batches are {"images": [B, H, W, C] float32 in [0, 1], "labels": [B] int32, "weights": [B]
 float32} (weight 0: a padding row of the last eval batch), plus "captions": [B] int32 (which of
-`captions(label)` describes each image) when the iterator is asked for them. The training
+`captions(label)` describes each image) when the iterator is asked for them, and "text": [B, T]
+int32 (that caption's tokens, `caption_tokens`) when it is given them. The training
 iterator is a grain DatasetIterator, whose state goes into the checkpoint as the text one's does
 (common/data/pipeline.py): a resumed run sees exactly the batches, shifts included, it would have
 seen.
@@ -17,21 +18,28 @@ import numpy as np
 from common.data import pipeline
 from common.errors import UserError
 
-KINDS = ("digits", "files")
-AUGMENTS = ("none", "shift")
+KINDS = ("digits", "npz")
+AUGMENTS = ("none", "shift", "affine")
 DIGITS_HELD_OUT = 360  # the last 360 of the 1,797 digits: indices 1437..1796
 
 
 def config(**kw) -> ml_collections.ConfigDict:
   """An image data sub-config. kind: "digits" (scikit-learn's 8x8 digits, the last 360 held
-  out) or "files" (.npz files with `images` and `labels`, comma-separated paths or globs);
-  augment: "shift" (random shifts of up to max_shift pixels, training only) or "none"."""
+  out) or "npz" (.npz files with `images` and `labels`, comma-separated paths or globs);
+  augment: "shift" (random shifts of up to max_shift pixels, training only), "affine" (also
+  rotated by up to max_rotate degrees and scaled by up to 1 +- max_scale, the shift fractional,
+  bilinear) or "none";
+  caption_len > 0: each training image paired with one of its digit's captions, as that many
+  byte tokens (`caption_tokens`; CLIP), 0: images and labels only."""
   cfg = {
     "kind": "digits",
     "train_files": "",
     "eval_files": "",  # "": no eval split (kind "files")
     "augment": "shift",
     "max_shift": 1,
+    "max_rotate": 15.0,  # augment="affine" only
+    "max_scale": 0.1,  # augment="affine" only
+    "caption_len": 0,
   }
   unknown = set(kw) - set(cfg)
   if unknown:
@@ -118,17 +126,35 @@ def load_split(cfg, split: str) -> Images | None:
     cut = len(images) - DIGITS_HELD_OUT
     part = slice(cut, None) if split == "eval" else slice(None, cut)
     return Images(images[part], labels[part], f"digits:{split}")
-  if cfg.kind == "files":
+  if cfg.kind == "npz":
     patterns = cfg.train_files if split == "train" else cfg.eval_files
     if split == "eval" and not patterns:
       return None
     images, labels = read_files(patterns, f"data.{split}_files")
     name = ",".join(os.path.basename(f) for f in pipeline.expand_files(patterns))
-    return Images(images, labels, f"files:{split}:{name}")
+    return Images(images, labels, f"npz:{split}:{name}")
   raise UserError(f"Unknown image data kind {cfg.kind!r}: use one of {KINDS}.")
 
 
 # Augmentation and iterators
+
+
+def affine(image_HWC: np.ndarray, *, angle: float, scale: float, dy: float, dx: float):
+  """The image rotated by `angle` degrees and scaled by `scale` about its centre, then moved dy
+  pixels down and dx right; bilinear, what enters the frame is background (0)."""
+  from scipy import ndimage
+
+  H, W = image_HWC.shape[:2]
+  a = np.deg2rad(angle)
+  # affine_transform maps each output pixel o to the input point M @ o + offset: the inverse.
+  M = np.array([[np.cos(a), np.sin(a)], [-np.sin(a), np.cos(a)]]) / scale
+  centre = np.array([(H - 1) / 2, (W - 1) / 2])
+  offset = centre - M @ (centre + np.array([dy, dx]))
+  channels = [
+    ndimage.affine_transform(image_HWC[..., c], M, offset=offset, order=1, cval=0.0)
+    for c in range(image_HWC.shape[-1])
+  ]
+  return np.clip(np.stack(channels, axis=-1), 0.0, 1.0).astype(image_HWC.dtype)
 
 
 def shift(image_HWC: np.ndarray, dy: int, dx: int) -> np.ndarray:
@@ -149,12 +175,20 @@ def train_iterator(
   seed: int,
   augment: str = "shift",
   max_shift: int = 1,
+  max_rotate: float = 15.0,
+  max_scale: float = 0.1,
   num_captions: int = 0,
+  caption_tokens: np.ndarray | None = None,
 ) -> grain.DatasetIterator:
   """Endless shuffled global batches (reshuffled each epoch), this process's share of each.
-  augment="shift" moves each image by up to max_shift pixels each way; num_captions > 0 picks
+  augment="shift" moves each image by up to max_shift pixels each way, "affine" also rotates it
+  by up to max_rotate degrees and scales it by up to 1 +- max_scale; num_captions > 0 picks
   one caption per image (the "captions" entry, an index into `captions(label)`). Both are drawn
-  per position in the stream, so each epoch draws anew and a restored iterator draws the same."""
+  per position in the stream, so each epoch draws anew and a restored iterator draws the same.
+  `caption_tokens` [classes, captions, T] (`caption_tokens(T)`) picks the captions among its
+  own (num_captions is its second dim) and adds their tokens (the "text" entry)."""
+  if caption_tokens is not None:
+    num_captions = caption_tokens.shape[1]
   if augment not in AUGMENTS:
     raise UserError(f"Unknown augment {augment!r}: use one of {AUGMENTS}.")
   if len(source) < batch_size:
@@ -166,12 +200,18 @@ def train_iterator(
 
   def draw(example, rng: np.random.Generator):
     image = example["images"]
+    if augment == "affine":
+      dy, dx = rng.uniform(-max_shift, max_shift, size=2)
+      angle, scale = rng.uniform(-max_rotate, max_rotate), 1 + rng.uniform(-max_scale, max_scale)
+      image = affine(image, angle=angle, scale=scale, dy=dy, dx=dx)
     if augment == "shift" and max_shift:
       dy, dx = rng.integers(-max_shift, max_shift + 1, size=2)
       image = shift(image, int(dy), int(dx))
     out = {"images": image, "labels": example["labels"], "weights": np.float32(1.0)}
     if num_captions:
       out["captions"] = np.int32(rng.integers(num_captions))
+      if caption_tokens is not None:
+        out["text"] = caption_tokens[example["labels"], out["captions"]]
     return out
 
   draw_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])  # not the shuffle's
@@ -227,3 +267,29 @@ def captions(label: int) -> list[str]:
 def class_prompts(template: str = ZERO_SHOT_TEMPLATE) -> list[str]:
   """One prompt per class, in label order, for zero-shot classification."""
   return [template.format(word=w, digit=d) for d, w in enumerate(NUMBER_WORDS)]
+
+
+# Caption tokens: UTF-8 bytes between a start and an end token. The end token is the largest id,
+# so a text tower pools at the argmax of a row's ids (as OpenAI's CLIP); padding after it is 0,
+# which a causal text tower never lets the end token see.
+TEXT_START, TEXT_END = 256, 257
+TEXT_VOCAB = 258
+
+
+def encode_texts(texts: list[str], length: int) -> np.ndarray:
+  """[N, length] int32: start, the text's bytes, end, then zeros."""
+  out = np.zeros((len(texts), length), np.int32)
+  for i, text in enumerate(texts):
+    ids = [TEXT_START, *text.encode("utf-8"), TEXT_END]
+    if len(ids) > length:
+      raise UserError(
+        f"The caption {text!r} is {len(ids)} tokens with its start and end, more than "
+        f"data.caption_len={length}: raise data.caption_len."
+      )
+    out[i, : len(ids)] = ids
+  return out
+
+
+def caption_tokens(length: int) -> np.ndarray:
+  """Every caption of every digit as tokens: [classes, captions, length] int32."""
+  return np.stack([encode_texts(captions(d), length) for d in range(len(NUMBER_WORDS))])

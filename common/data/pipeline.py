@@ -234,7 +234,7 @@ class Rows:
     self.packed, self.name = packed, name
 
   def __len__(self):
-    return len(self.packed["tokens"])
+    return len(next(iter(self.packed.values())))  # any key: every array has a row per example
 
   def __getitem__(self, i):
     return {k: v[i] for k, v in self.packed.items()}
@@ -355,7 +355,7 @@ def eval_batches(rows: Rows, *, batch_size: int, max_batches: int = 0):
   share = process_slice(batch_size)
   for start in starts:
     batch = {k: v[start : start + batch_size] for k, v in rows.packed.items()}
-    short = batch_size - len(batch["tokens"])
+    short = batch_size - len(next(iter(batch.values())))
     if short:
       batch = {k: np.pad(v, [(0, short)] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
     yield {k: v[share] for k, v in batch.items()}

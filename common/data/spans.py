@@ -11,10 +11,20 @@ by one sentinel; the targets are the sentinels each followed by the span it repl
 
 (The row starts with kept tokens and ends with a dropped span, as in T5; a row of `lengths()`
 tokens fills the inputs and targets exactly, a shorter one is padded with `pad_id`, segment 0.)
+
+The trainer's sequence-to-sequence data (kind "shakespeare_spans", `config`): the plays cut into
+rows of `lengths(seq_len)[0]` tokens, corrupted anew each epoch (`train_iterator`), the held-out
+ones once (`load_split`).
 """
 
+import functools
+import re
+
+import grain
+import ml_collections
 import numpy as np
 
+from common.data import pipeline, tokenizers
 from common.errors import UserError
 
 
@@ -150,3 +160,134 @@ def corrupt_rows(rows_RT: np.ndarray, *, seed: int, **kw) -> dict:
   rows and seed give the same corruption, whatever else is drawn. Arrays [R, length]."""
   out = [corrupt_row(row, np.random.default_rng([seed, r]), **kw) for r, row in enumerate(rows_RT)]
   return {k: np.stack([o[k] for o in out]) for k in out[0]}
+
+
+# The trainer's data: span-corrupted Shakespeare
+
+KINDS = ("shakespeare_spans",)
+
+
+def config(**kw) -> ml_collections.ConfigDict:
+  """A data sub-config of span corruption: the plays split as kind "shakespeare" splits them
+  (`eval_plays` held out), `seq_len` the encoder's inputs length, T5's `noise_density` and
+  `mean_span`, and `extra_ids` sentinel ids above the tokenizer's (the model's vocab_size needs
+  the tokenizer's ids plus these; T5's tokenizer has its 100 inside: 0 there)."""
+  cfg = {
+    "kind": "shakespeare_spans",
+    "eval_plays": "",
+    "train_plays": "",  # "": every play not held out
+    "tokenizer": tokenizers.config("bytes"),
+    "seq_len": 128,
+    "noise_density": 0.15,
+    "mean_span": 3.0,
+    "extra_ids": 100,
+  }
+  unknown = set(kw) - set(cfg)
+  if unknown:
+    raise UserError(f"Unknown data keys {sorted(unknown)}; known: {sorted(cfg)}.")
+  cfg.update(kw)
+  return ml_collections.ConfigDict(cfg)
+
+
+def vocab_size(cfg, tokenizer) -> int:
+  """The ids the data uses: the tokenizer's and the sentinels above them (the top one first)."""
+  return tokenizer.vocab_size + cfg.extra_ids
+
+
+def corrupter(cfg, tokenizer):
+  """row, rng -> `corrupt_row`'s dict, with the data config's settings."""
+  return functools.partial(
+    corrupt_row,
+    vocab_size=vocab_size(cfg, tokenizer),
+    inputs_length=cfg.seq_len,
+    noise_density=cfg.noise_density,
+    mean_span=cfg.mean_span,
+    eos_id=tokenizer.eos_id,
+  )
+
+
+def load_split(cfg, split: str, tokenizer) -> pipeline.Rows | None:
+  """The rows of `split`: train, raw token rows {"tokens": [R, lengths(seq_len)[0]]} (corrupted
+  by `train_iterator`); eval, corrupted here once with a fixed seed, so every evaluation scores
+  the same pairs. The plays' tokens are concatenated and cut, as T5 cuts its corpus. None when
+  nothing is held out."""
+  plays = ml_collections.ConfigDict({**cfg.to_dict(), "kind": "shakespeare"})
+  docs = pipeline.documents(plays, split)
+  if not docs:
+    return None
+  tokens = np.concatenate([tokenizer.encode(d) for d in docs]).astype(np.int32)
+  length, _ = lengths(cfg.seq_len, noise_density=cfg.noise_density, mean_span=cfg.mean_span)
+  num_rows = len(tokens) // length
+  if num_rows == 0:
+    raise UserError(
+      f"The {split} plays have fewer than the {length} tokens of one row: lower data.seq_len."
+    )
+  rows = tokens[: num_rows * length].reshape(num_rows, length)
+  name = f"{cfg.kind}:{split}:{cfg.seq_len}"
+  if split == "train":
+    return pipeline.Rows({"tokens": rows}, name)
+  corrupt = corrupter(cfg, tokenizer)
+  pairs = [corrupt(row, np.random.default_rng([0, r])) for r, row in enumerate(rows)]
+  return pipeline.Rows({k: np.stack([p[k] for p in pairs]) for k in pairs[0]}, name)
+
+
+def train_iterator(rows: pipeline.Rows, *, batch_size: int, seed: int, corrupt):
+  """Endless shuffled global batches of corrupted rows, this process's share of each: a row's
+  corruption is drawn from (seed, its index in the endless stream), so each epoch masks other
+  spans, and a resumed run (grain's iterator state) sees the same ones."""
+  if len(rows) < batch_size:
+    raise UserError(
+      f"The training data has {len(rows)} rows, fewer than train.batch_size={batch_size}: "
+      "give more text or lower the batch size."
+    )
+  share = pipeline.process_slice(batch_size)
+  ds = (
+    grain.MapDataset.source(rows)
+    .shuffle(seed=seed)
+    .repeat()
+    .random_map(lambda row, rng: corrupt(row["tokens"], rng), seed=seed)
+    .batch(batch_size, drop_remainder=True)
+    .map(lambda batch: {k: v[share] for k, v in batch.items()})
+  )
+  return iter(ds)
+
+
+# Prompts with sentinels: `zoo generate` on a seq2seq workdir
+
+SENTINEL = re.compile(r"<extra_id_(\d+)>")
+
+
+def encode_prompt(text: str, tokenizer, vocab_size: int, extra_ids: int) -> np.ndarray:
+  """Text with T5's sentinel markers (`<extra_id_0>` = vocab_size - 1, ...) as ids; when the
+  sentinels are the data's own (extra_ids > 0), the markers are read here, else the tokenizer
+  knows them (T5's)."""
+  if not extra_ids:
+    return tokenizer.encode(text)
+  pieces = SENTINEL.split(text)  # text, number, text, number, ..., text
+  ids = []
+  for i, piece in enumerate(pieces):
+    if i % 2:
+      if int(piece) >= extra_ids:
+        raise UserError(f"<extra_id_{piece}> is beyond the data's {extra_ids} sentinels.")
+      ids.append(np.asarray([vocab_size - 1 - int(piece)], np.int32))
+    elif piece:
+      ids.append(tokenizer.encode(piece))
+  return np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32)
+
+
+def decode_output(ids, tokenizer, vocab_size: int, extra_ids: int) -> str:
+  """Ids as text, the data's own sentinel ids written as their markers."""
+  if not extra_ids:
+    return tokenizer.decode(ids)
+  out, run = [], []
+  for i in (int(i) for i in ids):
+    if i >= vocab_size - extra_ids:
+      out += [tokenizer.decode(run), f"<extra_id_{vocab_size - 1 - i}>"]
+      run = []
+    else:
+      run.append(i)
+  return "".join(out + [tokenizer.decode(run)])
+
+
+def has_sentinels(text: str) -> bool:
+  return SENTINEL.search(text) is not None

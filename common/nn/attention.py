@@ -3,6 +3,8 @@
 Causal or bidirectional, optional sliding window, segment ids so packed documents never attend
 to each other, optional QK-norm, QKV bias and logit soft-cap. The position encoding is passed in
 by the model (see common/position.py), so attention never branches on which one it is.
+`cross` is the same layer as an encoder-decoder's cross-attention: queries from the decoder, keys
+and values from the encoder's output (`source_kv`, projected once for a whole decoding).
 
 `impl` picks how the softmax(q k^T) v core runs: "xla" (`attend` below, the reference), "flash"
 (the Pallas kernel in kernels/flash_attention.py, Pallas interpret mode on CPU; on TPU jax's
@@ -81,6 +83,18 @@ class KVCache:
   def init(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32):
     shape = (batch, max_len, num_kv_heads, head_dim)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SourceKV:
+  """A source sequence as one cross-attention layer sees it (an encoder's output through the
+  layer's k and v): computed once, so decoding does not project the source again for every new
+  token. Segment ids [B, S]: 0 is padding, never attended to."""
+
+  k_BSKH: jax.Array
+  v_BSKH: jax.Array
+  segment_ids_BS: jax.Array
 
 
 def make_mask(
@@ -242,6 +256,46 @@ class Attention(nnx.Module):
 
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     return KVCache.init(batch, max_len, self.num_kv_heads, self.head_dim, self.dtype)
+
+  def source_kv(self, x_BSD: jax.Array, segment_ids_BS: jax.Array | None = None) -> SourceKV:
+    """The keys and values `cross` attends to: the source through this layer's k and v."""
+    B, S, _ = x_BSD.shape
+    k_BSKH = self.k(x_BSD).reshape(B, S, -1, self.head_dim)
+    v_BSKH = self.v(x_BSD).reshape(B, S, -1, self.head_dim)
+    if self.k_norm is not None:
+      k_BSKH = self.k_norm(k_BSKH)
+    if segment_ids_BS is None:
+      segment_ids_BS = jnp.ones((B, S), jnp.int32)
+    return SourceKV(k_BSKH, v_BSKH, segment_ids_BS)
+
+  def cross(
+    self, x_BTD: jax.Array, source: SourceKV, *, segment_ids_BT: jax.Array | None = None
+  ) -> jax.Array:
+    """Cross-attention (an encoder-decoder's): queries from `x_BTD`, keys and values from
+    `source` (`source_kv`). A query sees every source token of its own segment, so packed pairs
+    stay apart and source padding is never attended to; no causal mask, window or position
+    encoding applies, as the queries and keys index two different sequences."""
+    B, T, _ = x_BTD.shape
+    q_BTNH = self.q(x_BTD).reshape(B, T, -1, self.head_dim)
+    if self.q_norm is not None:
+      q_BTNH = self.q_norm(q_BTNH)
+    if segment_ids_BT is None:
+      segment_ids_BT = jnp.ones((B, T), jnp.int32)
+    S = source.k_BSKH.shape[1]
+    mask_BTS = make_mask(
+      jnp.arange(T), jnp.arange(S), segment_ids_BT, source.segment_ids_BS, causal=False
+    )
+    if self.impl != "xla":
+      _log_once(self.impl, "falls back to 'xla' in cross-attention")
+    out_BTNH = attend(
+      q_BTNH,
+      source.k_BSKH.astype(q_BTNH.dtype),
+      source.v_BSKH.astype(q_BTNH.dtype),
+      mask_BTS=mask_BTS,
+      softcap=self.softcap,
+      scale=self.scale,
+    )
+    return self.o(out_BTNH.reshape(B, T, -1))
 
   def __call__(
     self,

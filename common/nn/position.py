@@ -111,6 +111,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling) -> tuple[np.ndarray, 
 class Position(nnx.Module):
   """No position information (NoPE); the base of the other kinds."""
 
+  # True: the stack computes `logit_bias` once and hands it to every layer (`StackBias`).
+  per_stack = False
+
   def embed(self, x_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
     return x_BTD
 
@@ -207,6 +210,11 @@ class RelativeBias(Position):
   (`relative_attention_bias.weight`, copied as is); one instance serves every layer, as in T5,
   where only the first layer owns it."""
 
+  # Computed once per stack, as transformers' T5 does: the gradient of the table lookup, a
+  # scatter of B x N x T x S values into the table, is then paid once and not per layer (it
+  # took half of a small T5's training step on CPU).
+  per_stack = True
+
   def __init__(
     self,
     num_heads: int,
@@ -239,6 +247,17 @@ class RelativeBias(Position):
     )
     bias_BTSN = jnp.take(table, buckets_BTS, axis=0).astype(jnp.float32)
     return jnp.transpose(bias_BTSN, (0, 3, 1, 2))
+
+
+class StackBias(Position):
+  """A logit bias computed once for a whole stack, handed to each layer's attention in place of
+  the position encoding that made it (one whose `per_stack` is True)."""
+
+  def __init__(self, bias_BNTS: jax.Array):
+    self.bias_BNTS = nnx.data(bias_BNTS)
+
+  def logit_bias(self, q_pos_BT, k_pos_BS, num_heads):
+    return self.bias_BNTS
 
 
 def make(

@@ -1,4 +1,5 @@
-"""The trainer's task losses (next-token cross-entropy, classification), and the same
+"""The trainer's task losses (next-token cross-entropy, an encoder-decoder's target
+cross-entropy, classification of rows or images, CLIP's contrastive loss), and the same
 cross-entropy through the output projection a chunk of tokens at a time, so the [tokens, V]
 logits and their gradient never exist whole (`train.loss_chunk`, 0 = off).
 
@@ -22,6 +23,8 @@ from flax import nnx
 
 from common import parallel
 from common.errors import UserError
+from common.nn.transformer import EncoderDecoder
+from common.train import contrastive
 
 
 def cross_entropy_and_grad(logits_MV: jax.Array, targets_M: jax.Array):
@@ -167,9 +170,13 @@ def loss_sums(model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array, ja
 
 def classify_rows(model, batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
   """A classifier's logits [B, C], cross-entropy [B] against the rows' `labels`, and row weights
-  [B] (a row of padding only, segment ids all 0, counts for nothing)."""
-  logits_BC = model.classify(batch["tokens"], attention_mask=batch["segment_ids"])
-  weights_B = (batch["segment_ids"] != 0).any(axis=1).astype(jnp.float32)
+  [B] (a row of padding only, segment ids all 0, counts for nothing; an image's `weights`)."""
+  if "images" in batch:
+    logits_BC = model.classify(batch["images"])
+    weights_B = batch["weights"].astype(jnp.float32)
+  else:
+    logits_BC = model.classify(batch["tokens"], attention_mask=batch["segment_ids"])
+    weights_B = (batch["segment_ids"] != 0).any(axis=1).astype(jnp.float32)
   ce_B = optax.softmax_cross_entropy_with_integer_labels(
     logits_BC.astype(jnp.float32), batch["labels"]
   )
@@ -182,9 +189,80 @@ def classify_sums(model, batch: dict) -> tuple[jax.Array, jax.Array]:
   return jnp.sum(ce_B * weights_B), jnp.sum(weights_B)
 
 
+def contrastive_sums(model, batch: dict) -> tuple[jax.Array, jax.Array]:
+  """CLIP's loss summed over this device's image-caption pairs, each scored against every pair
+  of the global batch (common/train/contrastive.py), and the number of pairs."""
+  return contrastive.contrastive_sums(
+    model.encode_image(batch["images"]),
+    model.encode_text(batch["text"]),
+    logit_scale=model.logit_scale_value(),
+    weights_B=batch["weights"],
+  )
+
+
+def zero_shot_logits(model, images_BHWC: jax.Array, prompts_CT: jax.Array) -> jax.Array:
+  """Class logits [B, C] of a CLIP model with no classifier: each image's cosine similarity to
+  each class's prompt (one text per class), times the logit scale."""
+
+  def unit(x):
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+  image_BP = unit(model.encode_image(images_BHWC).astype(jnp.float32))
+  text_CP = unit(model.encode_text(prompts_CT).astype(jnp.float32))
+  return model.logit_scale_value() * jnp.dot(image_BP, text_CP.T)
+
+
+def shift_right(targets_BT: jax.Array, segment_ids_BT: jax.Array, start_id: int) -> jax.Array:
+  """A decoder's inputs for `targets_BT` (teacher forcing): each target segment's tokens one
+  place later, after `start_id` (T5's `_shift_right`, per segment when rows are packed)."""
+  prev_BT = jnp.pad(targets_BT[:, :-1], ((0, 0), (1, 0)))
+  prev_seg_BT = jnp.pad(segment_ids_BT[:, :-1], ((0, 0), (1, 0)))
+  first_BT = segment_ids_BT != prev_seg_BT
+  return jnp.where(first_BT, jnp.asarray(start_id, targets_BT.dtype), prev_BT)
+
+
+def seq2seq_sums(model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+  """Summed cross-entropy of an encoder-decoder over the real target tokens of a batch of
+  {"inputs", "input_segment_ids", "targets", "target_segment_ids"} (segment 0: padding), the
+  decoder reading the targets shifted right after its start token; and the number of targets."""
+  if not isinstance(model, EncoderDecoder):
+    raise UserError(
+      f"Sequence-to-sequence data (inputs and targets) needs an encoder-decoder model such as "
+      f"T5, not {type(model).__name__}: set model to a t5 config."
+    )
+  targets_BT, target_seg_BT = batch["targets"], batch["target_segment_ids"]
+  decoder_BT = shift_right(targets_BT, target_seg_BT, model.decoder_start_id)
+  weights_BT = (target_seg_BT != 0).astype(jnp.float32)
+  x_BTD = model.hidden(
+    batch["inputs"],
+    decoder_BT,
+    segment_ids_BS=batch["input_segment_ids"],
+    decoder_segment_ids_BT=target_seg_BT,
+  )
+  if loss_chunk:  # train.loss_chunk, as for a decoder: the head a chunk of tokens at a time
+    B, T, D = x_BTD.shape
+    head, project = model.output_head()
+    total = head_cross_entropy_sum(
+      head,
+      project,
+      x_BTD.reshape(B * T, D),
+      targets_BT.reshape(-1),
+      weights_BT.reshape(-1),
+      chunk=min(loss_chunk, B * T),
+    )
+    return total, jnp.sum(weights_BT)
+  ce_BT = parallel.cross_entropy(model.logits(x_BTD), targets_BT)
+  return jnp.sum(ce_BT * weights_BT), jnp.sum(weights_BT)
+
+
 def task_sums(model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
-  """The loss sums of what the batch holds: labelled rows train a classifier, token rows a
-  language model."""
+  """The loss sums of what the batch holds: images with caption tokens ("text") train CLIP,
+  source and target tokens ("targets") an encoder-decoder, labelled images or rows a
+  classifier, token rows a language model."""
+  if "text" in batch:
+    return contrastive_sums(model, batch)
+  if "targets" in batch:
+    return seq2seq_sums(model, batch, loss_chunk=loss_chunk)
   if "labels" in batch:
     return classify_sums(model, batch)
   return loss_sums(model, batch, loss_chunk=loss_chunk)

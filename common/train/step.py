@@ -126,13 +126,22 @@ def train_step(
   return TrainState(state.step + 1, params, opt_state, state.rng), metrics
 
 
-def eval_step(params, batch: dict, *, graphdef) -> dict:
-  """Summed loss and count (and, for a classifier, correct predictions) of one batch."""
+def eval_step(params, batch: dict, *, graphdef, prompts=None) -> dict:
+  """Summed loss and count (and, for a classifier, correct predictions) of one batch. With
+  `prompts` [C, T] (a CLIP model's class prompts), labelled images are classified zero-shot."""
   model = nnx.merge(graphdef, params)
+  if "targets" in batch:  # an encoder-decoder's source and target tokens
+    total, count = losses.seq2seq_sums(model, batch)
+    return {"total": total, "count": count}
   if "labels" not in batch:
     total, count = losses.loss_sums(model, batch)
     return {"total": total, "count": count}
-  logits_BC, ce_B, weights_B = losses.classify_rows(model, batch)
+  if prompts is not None:
+    logits_BC = losses.zero_shot_logits(model, batch["images"], prompts)
+    weights_B = batch["weights"].astype(jnp.float32)
+    ce_B = optax.softmax_cross_entropy_with_integer_labels(logits_BC, batch["labels"])
+  else:
+    logits_BC, ce_B, weights_B = losses.classify_rows(model, batch)
   right_B = (jnp.argmax(logits_BC, -1) == batch["labels"]).astype(jnp.float32)
   return {
     "total": jnp.sum(ce_B * weights_B),

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import os
 import time
+from collections.abc import Callable, Iterator
 
 import jax
 import ml_collections
@@ -17,7 +18,7 @@ from flax import nnx
 
 from common import config as config_lib
 from common import mesh, models, parallel
-from common.data import pipeline, tokenizers
+from common.data import images, pipeline, spans, tokenizers
 from common.errors import UserError
 from common.hub import checkpoint, weights
 from common.nn import memory
@@ -40,16 +41,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     init_from = weights.init_params(cfg, nnx.state(models.abstract(cfg.model), nnx.Param))
   check_workdir(cfg, workdir)
 
-  # Data
-  tokenizer = tokenizers.load(cfg.data.tokenizer)
-  if tokenizer.vocab_size > cfg.model.vocab_size:
-    raise UserError(
-      f"The tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
-      f"{cfg.model.vocab_size}: set --config.model.vocab_size={tokenizer.vocab_size} or more."
-    )
-  train_rows = pipeline.load_split(cfg.data, "train", tokenizer)
-  eval_rows = pipeline.load_split(cfg.data, "eval", tokenizer)
-  data_iter = pipeline.train_iterator(train_rows, batch_size=cfg.train.batch_size, seed=cfg.seed)
+  # Data: the pipeline of cfg.data.kind (text rows or images, see `load_data`)
+  data = load_data(cfg)
+  data_iter = data.iterator
 
   # State: restored (the newest step that restores; damaged newer ones are set aside), or fresh,
   # with init_from's weights in place of the fresh ones it gives.
@@ -71,7 +65,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   start = int(state.step)
   step_fn = steps.make_train_step(cfg, tx=tx, layout=layout, shardings=shardings)
   graphdef = nnx.graphdef(models.abstract(cfg.model))
-  tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+  tokens_per_step = cfg.train.batch_size * data.tokens_per_row
   lr_at = optim.schedule(cfg.optim, cfg.train.steps)
 
   # Loop
@@ -95,6 +89,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         metrics["skipped"] = nonfinite.take()  # since the last line; "stop" raises here
         elapsed = time.perf_counter() - t0
         metrics["tokens_per_s"] = (step - since) * tokens_per_step / elapsed
+        metrics["examples_per_s"] = (step - since) * cfg.train.batch_size / elapsed
         metrics["lr"] = float(lr_at(step - 1))
         t0, since = time.perf_counter(), step
         log.write(step, metrics)
@@ -102,11 +97,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         last = metrics
       bar.update(1)
       if (
-        eval_rows is not None
+        data.eval is not None
         and cfg.train.eval_every
         and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
       ):
-        ev = evaluate(state.params, eval_rows, graphdef=graphdef, cfg=cfg, layout=layout)
+        ev = evaluate(state.params, data, graphdef=graphdef, cfg=cfg, layout=layout)
         log.write(step, ev, split="eval")
         bar.write(f"step {step}: eval loss {ev['loss']:.4f}")
         last = {**last, "eval_loss": ev["loss"]}
@@ -129,6 +124,72 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
 
 
 # Start-up pieces (also used by `zoo eval`)
+
+
+@dataclasses.dataclass
+class Data:
+  """A data kind's splits as the trainer uses them."""
+
+  iterator: Iterator | None  # endless training batches (a grain iterator: its state is saved)
+  eval: object | None  # the held-out split; None when the data has none
+  eval_batches: Callable[..., Iterator]  # (split, *, batch_size, max_batches) -> batches
+  tokens_per_row: int  # a batch row's tokens for tokens_per_s (an image counts as one)
+  prompts: np.ndarray | None = None  # CLIP: the class prompts' tokens, for zero-shot accuracy
+
+
+def load_data(cfg, *, train: bool = True) -> Data:
+  """The data of `cfg.data.kind`: the one place that picks a pipeline by data kind (text rows,
+  common/data/pipeline.py; images, common/data/images.py; span-corrupted source and target
+  rows, common/data/spans.py). `train=False`: the held-out split only (`zoo eval`)."""
+  batch_size = cfg.train.batch_size
+  if cfg.data.kind in images.KINDS:
+    held_out = images.load_split(cfg.data, "eval")
+    length = cfg.data.caption_len  # > 0: image-caption pairs (CLIP)
+    iterator = None
+    if train:
+      iterator = images.train_iterator(
+        images.load_split(cfg.data, "train"),
+        batch_size=batch_size,
+        seed=cfg.seed,
+        augment=cfg.data.augment,
+        max_shift=cfg.data.max_shift,
+        max_rotate=cfg.data.max_rotate,
+        max_scale=cfg.data.max_scale,
+        caption_tokens=images.caption_tokens(length) if length else None,
+      )
+    prompts = images.encode_texts(images.class_prompts(), length) if length else None
+    return Data(iterator, held_out, images.eval_batches, 1, prompts)
+  if cfg.data.kind in spans.KINDS:
+    tokenizer = tokenizers.load(cfg.data.tokenizer)
+    ids = spans.vocab_size(cfg.data, tokenizer)
+    if ids > cfg.model.vocab_size:
+      raise UserError(
+        f"The data uses {ids} ids (the tokenizer's {tokenizer.vocab_size} and "
+        f"data.extra_ids={cfg.data.extra_ids} sentinels) but model.vocab_size is "
+        f"{cfg.model.vocab_size}: set --config.model.vocab_size={ids} or more."
+      )
+    iterator = None
+    if train:
+      iterator = spans.train_iterator(
+        spans.load_split(cfg.data, "train", tokenizer),
+        batch_size=batch_size,
+        seed=cfg.seed,
+        corrupt=spans.corrupter(cfg.data, tokenizer),
+      )
+    held_out = spans.load_split(cfg.data, "eval", tokenizer)
+    return Data(iterator, held_out, pipeline.eval_batches, cfg.data.seq_len)
+  tokenizer = tokenizers.load(cfg.data.tokenizer)
+  if tokenizer.vocab_size > cfg.model.vocab_size:
+    raise UserError(
+      f"The tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
+      f"{cfg.model.vocab_size}: set --config.model.vocab_size={tokenizer.vocab_size} or more."
+    )
+  iterator = None
+  if train:
+    rows = pipeline.load_split(cfg.data, "train", tokenizer)
+    iterator = pipeline.train_iterator(rows, batch_size=batch_size, seed=cfg.seed)
+  held_out = pipeline.load_split(cfg.data, "eval", tokenizer)
+  return Data(iterator, held_out, pipeline.eval_batches, cfg.data.seq_len)
 
 
 def check_workdir(cfg, workdir: str):
@@ -157,14 +218,15 @@ def check_workdir(cfg, workdir: str):
       f.write(config_lib.to_json(cfg))
 
 
-def evaluate(params, eval_rows, *, graphdef, cfg, layout: parallel.Layout | None = None) -> dict:
-  """Mean loss over the held-out rows (all of them unless train.eval_batches limits it).
+def evaluate(params, data: Data, *, graphdef, cfg, layout: parallel.Layout | None = None) -> dict:
+  """Mean loss over the held-out rows (all of them unless train.eval_batches limits it), and a
+  classifier's accuracy (CLIP's: zero-shot, by its class prompts).
 
   Runs as plain jit over the global (sharded) arrays: XLA partitions it, no shard_map needed."""
-  step = jax.jit(functools.partial(steps.eval_step, graphdef=graphdef))
+  step = jax.jit(functools.partial(steps.eval_step, graphdef=graphdef, prompts=data.prompts))
   sums = {}
-  for batch in pipeline.eval_batches(
-    eval_rows, batch_size=cfg.train.batch_size, max_batches=cfg.train.eval_batches
+  for batch in data.eval_batches(
+    data.eval, batch_size=cfg.train.batch_size, max_batches=cfg.train.eval_batches
   ):
     for k, v in step(params, steps.put_batch(batch, layout)).items():
       sums[k] = sums.get(k, 0.0) + float(v)

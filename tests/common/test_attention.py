@@ -502,3 +502,43 @@ def test_cudnn_on_cpu_and_flash_when_decoding_run_xla():
   cache = flash.init_cache(2, 8)
   got, cache = run(flash, x, cache=cache)
   np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-attention (encoder-decoder): queries of one sequence, keys and values of another.
+
+
+@nnx.jit
+def _cross(attn, x, src, seg, src_seg):
+  return attn.cross(x, attn.source_kv(src, src_seg), segment_ids_BT=seg)
+
+
+@pytest.mark.parametrize(
+  "kw", [dict(), dict(num_kv_heads=2, qk_norm="rms"), dict(qkv_bias=True, scale=1.0)]
+)
+def test_cross_attention_matches_reference(kw):
+  attn = layer(mask="bidirectional", **kw)
+  x, src = randn(12, (2, 5, 32)), randn(13, (2, 9, 32))
+  # Row 0: one pair, the source padded; row 1: two pairs packed, each query sees its own source.
+  seg = np.array([[1] * 5, [1, 1, 2, 2, 2]])
+  src_seg = np.array([[1] * 6 + [0] * 3, [1] * 4 + [2] * 5])
+  got = _cross(attn, jnp.asarray(x), jnp.asarray(src), jnp.asarray(seg), jnp.asarray(src_seg))
+
+  N, K, H = attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+  def proj(lin, a):
+    y = np.asarray(a, np.float64) @ np.asarray(lin.kernel[...], np.float64)
+    return y + np.asarray(lin.bias[...]) if lin.bias is not None else y
+
+  q, k, v = proj(attn.q, x).reshape(2, 5, N, H), proj(attn.k, src), proj(attn.v, src)
+  k, v = k.reshape(2, 9, K, H), v.reshape(2, 9, K, H)
+  if attn.q_norm is not None:
+    q = np_norm(q, "rms", np.asarray(attn.q_norm.scale[...]))
+    k = np_norm(k, "rms", np.asarray(attn.k_norm.scale[...]))
+  # np_attend scales by 1/sqrt(H): fold the layer's own scale into q.
+  q = q * attn.scale * math.sqrt(H)
+  mask = np_mask(range(5), range(9), seg, src_seg, causal=False)
+  want = np_attend(q, k, v, mask).reshape(2, 5, N * H) @ np.asarray(attn.o.kernel[...])
+  if attn.o.bias is not None:
+    want = want + np.asarray(attn.o.bias[...])
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)

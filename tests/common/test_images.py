@@ -163,17 +163,17 @@ def test_npz_files(tmp_path):
   a = rng.integers(0, 256, (6, 4, 4, 3), dtype=np.uint8)
   np.savez(tmp_path / "a.npz", images=a, labels=np.arange(6))
   np.savez(tmp_path / "b.npz", images=a[:2] / 255.0, labels=np.array([1, 2]))
-  cfg = images.config(kind="files", train_files=str(tmp_path / "*.npz"))
+  cfg = images.config(kind="npz", train_files=str(tmp_path / "*.npz"))
   train = images.load_split(cfg, "train")
   assert len(train) == 8 and train.images.shape == (8, 4, 4, 3)
   np.testing.assert_allclose(train.images[:6], a / 255.0, rtol=1e-6)
   np.testing.assert_array_equal(train.labels, [0, 1, 2, 3, 4, 5, 1, 2])
   assert images.load_split(cfg, "eval") is None
-  assert repr(train) == "Images(files:train:a.npz,b.npz, 8)"
+  assert repr(train) == "Images(npz:train:a.npz,b.npz, 8)"
 
   np.savez(tmp_path / "gray.npz", images=a[..., 0], labels=np.zeros(6, int))
   gray = images.load_split(
-    images.config(kind="files", train_files=str(tmp_path / "gray.npz")), "train"
+    images.config(kind="npz", train_files=str(tmp_path / "gray.npz")), "train"
   )
   assert gray.images.shape == (6, 4, 4, 1)
 
@@ -190,7 +190,7 @@ def test_npz_files(tmp_path):
 def test_bad_npz_files_are_refused(tmp_path, arrays, message):
   np.savez(tmp_path / "x.npz", **arrays)
   with pytest.raises(UserError, match=message):
-    images.load_split(images.config(kind="files", train_files=str(tmp_path / "x.npz")), "train")
+    images.load_split(images.config(kind="npz", train_files=str(tmp_path / "x.npz")), "train")
 
 
 def test_config_and_iterator_errors(splits):
@@ -201,7 +201,7 @@ def test_config_and_iterator_errors(splits):
   with pytest.raises(UserError, match="fewer than train.batch_size"):
     images.train_iterator(splits[1], batch_size=512, seed=0)
   with pytest.raises(UserError, match="No data file"):
-    images.load_split(images.config(kind="files", train_files="/nonexistent/*.npz"), "train")
+    images.load_split(images.config(kind="npz", train_files="/nonexistent/*.npz"), "train")
 
 
 def test_captions_and_zero_shot_prompts():

@@ -1,0 +1,61 @@
+"""A small ViT learns scikit-learn's handwritten digits from scratch, tested on the last 360.
+
+Command:   zoo run vision/vit-digits --workdir runs/vit-digits
+Hardware:  a 2-core CPU (no accelerator needed).
+Time:      7.2 min on 2 CPU cores shared with other jobs (load average 10-12; 2.7 min of user
+           CPU), about 0.2 s a step.
+Expected:  held-out accuracy 0.936 (loss 0.256) on the last 360 digits at step 2,000 (0.87 at
+           step 1,000); below the 0.95 aimed at. The same recipe for 2,500 steps gave 0.914 (12
+           min under heavier load): one run is +-2% on 360 images. For comparison on this split,
+           scikit-learn's RBF SVC gets 0.944 and logistic regression 0.900; shifts alone instead
+           of the affine augmentation gave 0.914 at step 2,000, mean pooling (model.pool) 0.80 at
+           step 1,000.
+Data:      the 1,797 8x8 grey digits of `sklearn.datasets.load_digits`; the first 1,437 train
+           (rotated, scaled and shifted anew each epoch); the last 360 are held out.
+"""
+
+import ml_collections
+
+from common import mesh
+from common.data import images
+from common.train import settings
+from zoo.vit import model as vit
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.init_from = ""
+  c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "head.*")
+
+  # Data: 8x8 digits, one channel in [0, 1]; each training image rotated by up to 15 degrees,
+  # scaled by up to 10% and shifted by up to a pixel, drawn anew each epoch.
+  c.data = images.config(kind="digits", augment="affine", max_shift=1, max_rotate=15.0,
+                         max_scale=0.1)
+
+  # Model: 2x2 patches (16 and the class token), 4 pre-norm layers, D=64, 4 heads of 16.
+  c.model = vit.config(
+      "tiny", dim=64, num_layers=4, num_heads=4, hidden_dim=256, image_size=8, patch=2,
+      channels=1, pixel_mean=(0.5,), pixel_std=(0.5,), num_labels=10,
+  )
+
+  # Optimizer
+  c.optim = settings.optim(lr=3e-3, warmup_steps=200, b2=0.99, weight_decay=0.05)
+
+  # Training: 64 images a step, 2,000 steps (89 epochs).
+  c.train = settings.train(steps=2000, batch_size=64, log_every=50, eval_every=500,
+                           checkpoint_every=1000, keep_checkpoints=1)
+  c.mesh = mesh.config()
+  # Mesh rules: the first pattern matching the hardware (`zoo show` says which) sets the mesh.
+  c.mesh_rules = [
+      ("cpux1", {}),
+      ("*x8", {"mesh.data": 8}),  # eight devices of any kind: data parallel
+  ]
+
+  if arg == "smoke":
+    c.mesh_rules = []  # one CPU: the mesh as written
+    c.model = vit.config("tiny", image_size=8, patch=4, channels=1, pixel_mean=(0.5,),
+                         pixel_std=(0.5,), num_labels=10)
+    c.train.update(steps=4, batch_size=8, log_every=1, eval_every=4, eval_batches=2,
+                   checkpoint_every=2)
+  return c

@@ -1,0 +1,46 @@
+"""The image tasks sharded equal one device (8 fake CPU devices, in a subprocess): ViT's
+classification loss, and CLIP's contrastive loss, whose negatives are the global batch however
+it is split over data and fsdp (and the towers' heads and MLPs over tensor)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.multidevice, pytest.mark.slow]
+MESHES = ["(8, 1, 1)", "(2, 4, 1)", "(2, 2, 2)"]
+EXPERIMENTS = ["vision/vit-digits:smoke", "vision/clip-digits:smoke"]
+
+
+@pytest.fixture(scope="module", params=EXPERIMENTS)
+def results(request):
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  proc = subprocess.run(
+    [sys.executable, str(ROOT / "tests" / "parallel" / "image_worker.py"), request.param],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_loss_and_gradients_equal_single_device(results, mesh):
+  ref, got = results["single"], results[mesh]
+  assert got["count"] == ref["count"] == 13  # 16 rows, 3 of them padding
+  assert got["total"] == pytest.approx(ref["total"], rel=1e-5)
+  assert got["grads"].keys() == ref["grads"].keys()
+  # A floor for each parameter: the key bias's gradient is zero but for rounding (softmax
+  # ignores a shift), so it is compared at the scale of the whole gradient.
+  floor = 1e-3 * max(np.max(np.abs(np.asarray(g))) for g in ref["grads"].values())
+  for name, g in ref["grads"].items():
+    g, h = np.asarray(g), np.asarray(got["grads"][name])
+    scale = max(np.max(np.abs(g)), floor)
+    assert np.max(np.abs(h - g)) / scale < 1e-5, name
