@@ -124,6 +124,9 @@ def test_caption_tokens_and_their_length():
   tokens = images.encode_texts(["a 7"], 6)
   assert tokens.tolist() == [[images.TEXT_START, 97, 32, 55, images.TEXT_END, 0]]
   assert images.TEXT_END == images.TEXT_VOCAB - 1  # the largest id: CLIP pools at the argmax
+  from zoo.clip import model as clip
+
+  assert clip.PRESETS["tiny"]["text"]["vocab_size"] == images.TEXT_VOCAB
   with pytest.raises(Exception, match="data.caption_len=4"):
     images.encode_texts(["a 7"], 4)
 

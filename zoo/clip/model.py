@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from common.data import images as image_data
 from common.errors import UserError, suggest
 from common.nn import attention, lora, mlp, norms, position, transformer
 from common.nn.linear import Linear, dtypes
@@ -35,10 +34,11 @@ PRESETS = {
         vision=dict(dim=768, num_layers=12, num_heads=12, hidden_dim=3072, image_size=224,
                     patch=32),
     ),
-    # Tiny shapes for tests: the byte captions of common/data/images.py, 32x32 RGB images.
+    # Tiny shapes for tests: 32x32 RGB images, and the byte captions of common/data/images.py
+    # (256 bytes and two markers: its TEXT_VOCAB, a test checks they agree).
     "tiny": dict(
         projection_dim=32,
-        text=dict(vocab_size=image_data.TEXT_VOCAB, dim=64, num_layers=2, num_heads=4,
+        text=dict(vocab_size=258, dim=64, num_layers=2, num_heads=4,
                   hidden_dim=128, max_len=48),
         vision=dict(dim=64, num_layers=2, num_heads=4, hidden_dim=128, image_size=32, patch=8),
     ),
