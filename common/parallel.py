@@ -202,3 +202,29 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
   picked = jnp.take_along_axis(logits, jnp.clip(local_targets, 0, v_local - 1)[..., None], -1)
   target_logit = psum_tensor(jnp.where(here, picked[..., 0], 0.0))
   return jnp.log(sumexp) + m - target_logit
+
+
+# Varying-axis types by hand, for custom VJPs under shard_map(check_vma=True) (the chunked loss,
+# the MoE grouped matmul): what autodiff does for the implicit broadcasts, done explicitly.
+
+
+def varying(*xs) -> frozenset:
+  """The mesh axes any of `xs` varies over inside shard_map (empty outside)."""
+  out = frozenset()
+  for x in xs:
+    aval = jax.typeof(x)
+    out |= frozenset(getattr(aval, "vma", None) or aval.mat.varying)
+  return out
+
+
+def to_varying(x, axes: frozenset):
+  """`x` cast to vary over `axes` too (a value that starts a sum of varying terms)."""
+  missing = tuple(sorted(axes - varying(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def sum_to(ct, axes: frozenset):
+  """A cotangent summed over the axes its primal did not vary over (autodiff's transpose of
+  the implicit broadcast, done by hand in a custom VJP)."""
+  extra = tuple(sorted(varying(ct) - axes))
+  return jax.lax.psum(ct, extra) if extra else ct

@@ -160,27 +160,6 @@ def resolve_impl(impl: str) -> str:
 # keeps those types consistent itself; the custom VJPs and loop carries below do it by hand.
 
 
-def _varying(*xs) -> frozenset:
-  """The mesh axes any of `xs` varies over inside shard_map (empty outside)."""
-  out = frozenset()
-  for x in xs:
-    aval = jax.typeof(x)
-    out |= frozenset(getattr(aval, "vma", None) or aval.mat.varying)
-  return out
-
-
-def _to_varying(x, axes: frozenset):
-  missing = tuple(sorted(axes - _varying(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _sum_to(ct, axes: frozenset):
-  """A cotangent summed over the axes its primal did not vary over (autodiff's transpose of
-  the implicit broadcast, done by hand in a custom VJP)."""
-  extra = tuple(sorted(_varying(ct) - axes))
-  return jax.lax.psum(ct, extra) if extra else ct
-
-
 @jax.custom_vjp
 def _gather_rows(x_ND, src_R, inverse_Nj):
   """out[r] = x[src[r]] (0 where src[r] is out of range), where inverse[n] lists every r with
@@ -198,7 +177,7 @@ def _gather_rows_fwd(x_ND, src_R, inverse_Nj):
 def _gather_rows_bwd(res, g_RD):
   inverse_Nj, x_type = res
   g_NjD = jnp.take(g_RD, inverse_Nj, axis=0, mode="fill", fill_value=0)
-  return _sum_to(jnp.sum(g_NjD, axis=1), _varying(x_type)), None, None
+  return parallel.sum_to(jnp.sum(g_NjD, axis=1), parallel.varying(x_type)), None, None
 
 
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
@@ -229,7 +208,7 @@ def _block_dots(x_RI, w_EIO, expert_G, used_G):
   G = expert_G.shape[0]
   x_GMI = x_RI.reshape(G, -1, x_RI.shape[-1])
   out = w_EIO.shape[2]
-  varying = _varying(x_RI, w_EIO, expert_G)
+  varying = parallel.varying(x_RI, w_EIO, expert_G)
 
   def body(_, inp):
     x_MI, e, used = inp
@@ -238,7 +217,7 @@ def _block_dots(x_RI, w_EIO, expert_G, used_G):
       w_IO = jax.lax.dynamic_index_in_dim(w_EIO, e, keepdims=False)
       return jnp.dot(x_MI, w_IO)
 
-    zeros = lambda: _to_varying(jnp.zeros((x_MI.shape[0], out), x_MI.dtype), varying)
+    zeros = lambda: parallel.to_varying(jnp.zeros((x_MI.shape[0], out), x_MI.dtype), varying)
     return None, jax.lax.cond(used, compute, zeros)  # unused tail blocks skip their matmul
 
   _, y_GMO = jax.lax.scan(body, None, (x_GMI, expert_G, used_G))
@@ -265,7 +244,7 @@ def _gmm_bwd(res, g_RO):
   G = expert_G.shape[0]
   x_GMI = x_RI.reshape(G, -1, x_RI.shape[-1])
   g_GMO = g_RO.reshape(G, -1, g_RO.shape[-1])
-  varying = _varying(x_RI, g_RO, w_EIO, expert_G)
+  varying = parallel.varying(x_RI, g_RO, w_EIO, expert_G)
 
   def body(dw_EIO, inp):
     x_MI, g_MO, e, used = inp
@@ -277,13 +256,13 @@ def _gmm_bwd(res, g_RO):
       dx_MI = jnp.dot(g_MO, w_IO.T).astype(x_MI.dtype)
       return jax.lax.dynamic_update_index_in_dim(dw_EIO, dw_IO, e, 0), dx_MI
 
-    skip = lambda: (dw_EIO, _to_varying(jnp.zeros_like(x_MI), varying))
+    skip = lambda: (dw_EIO, parallel.to_varying(jnp.zeros_like(x_MI), varying))
     return jax.lax.cond(used, add, skip)
 
-  init = _to_varying(jnp.zeros(w_EIO.shape, jnp.float32), varying)
+  init = parallel.to_varying(jnp.zeros(w_EIO.shape, jnp.float32), varying)
   dw_EIO, dx_GMI = jax.lax.scan(body, init, (x_GMI, g_GMO, expert_G, used_G))
-  dx_RI = _sum_to(dx_GMI.reshape(x_RI.shape), _varying(x_RI))
-  return dx_RI, _sum_to(dw_EIO.astype(w_EIO.dtype), _varying(w_EIO)), None, None
+  dx_RI = parallel.sum_to(dx_GMI.reshape(x_RI.shape), parallel.varying(x_RI))
+  return dx_RI, parallel.sum_to(dw_EIO.astype(w_EIO.dtype), parallel.varying(w_EIO)), None, None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)

@@ -47,24 +47,6 @@ def cross_entropy_and_grad(logits_MV: jax.Array, targets_M: jax.Array):
   return lse - target_logit, jnp.exp(logits - lse[:, None]) - hit
 
 
-def _varying(x) -> frozenset:
-  """The mesh axes `x` varies over inside shard_map (empty outside)."""
-  aval = jax.typeof(x)
-  return frozenset(getattr(aval, "vma", None) or aval.mat.varying)
-
-
-def _to_varying(x, axes: frozenset):
-  missing = tuple(sorted(axes - _varying(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _sum_to(ct, axes: frozenset):
-  """A cotangent summed over the axes its primal did not vary over (autodiff's transpose of
-  the implicit broadcast, done by hand in a custom VJP)."""
-  extra = tuple(sorted(_varying(ct) - axes))
-  return jax.lax.psum(ct, extra) if extra else ct
-
-
 def head_cross_entropy_sum(
   head: nnx.Module, project, x_MD: jax.Array, targets_M, weights_M, *, chunk: int
 ) -> jax.Array:
@@ -90,10 +72,10 @@ def head_cross_entropy_sum(
     return project(nnx.merge(graphdef, params, rest), x_CD)
 
   def forward(params, x_MD):
-    varying["params"] = jax.tree.map(_varying, params)
-    varying["x"] = _varying(x_MD)
+    varying["params"] = jax.tree.map(parallel.varying, params)
+    varying["x"] = parallel.varying(x_MD)
     # The weights' gradient is summed over this device's chunks first, over devices at the end.
-    params = jax.tree.map(lambda p: _to_varying(p, _varying(x_MD)), params)
+    params = jax.tree.map(lambda p: parallel.to_varying(p, parallel.varying(x_MD)), params)
 
     def body(dparams, chunk_in):
       x_CD, targets_C, weights_C = chunk_in
@@ -118,8 +100,8 @@ def head_cross_entropy_sum(
 
   def backward(res, g):
     dparams, dx = res
-    dparams = jax.tree.map(lambda d, v: _sum_to(d * g, v), dparams, varying["params"])
-    return dparams, _sum_to((dx * g).astype(x_MD.dtype), varying["x"])
+    dparams = jax.tree.map(lambda d, v: parallel.sum_to(d * g, v), dparams, varying["params"])
+    return dparams, parallel.sum_to((dx * g).astype(x_MD.dtype), varying["x"])
 
   total.defvjp(forward, backward)
   return total(params, x_MD)
