@@ -20,12 +20,12 @@ from zoo.t5 import model as t5
 
 SMOKE = "seq2seq/shakespeare-spans:smoke"
 # A constant schedule after a fixed warm-up does not depend on train.steps, so a run extended
-# from 4 to 6 steps must match a 6-step run exactly; evaluation only at the end.
+# from 4 to 6 steps must match a 6-step run exactly; held-out loss at steps 3 and 6.
 BASE = {
   "train.steps": "6",
   "train.checkpoint_every": "2",
   "train.log_every": "1",
-  "train.eval_every": "0",
+  "train.eval_every": "3",
   "optim.schedule": "constant",
   "optim.warmup_steps": "2",
 }
@@ -116,8 +116,11 @@ def test_resume_gives_the_same_losses_and_params(reference, tmp_path):
   want = {r["step"]: r["loss"] for r in records(reference) if "split" not in r}
   got = {r["step"]: r["loss"] for r in records(workdir) if "split" not in r}
   assert got == want and len(want) == 6
-  evals = [r for r in records(workdir) if r.get("split") == "eval"]
-  assert evals and np.isfinite(evals[-1]["loss"]) and evals[-1]["targets"] > 0
+  # The 4-step run also evaluated at its last step, 4.
+  evals = {r["step"]: r["loss"] for r in records(workdir) if r.get("split") == "eval"}
+  want_evals = {r["step"]: r["loss"] for r in records(reference) if r.get("split") == "eval"}
+  assert sorted(want_evals) == [3, 6] and sorted(evals) == [3, 4, 6]
+  assert {s: evals[s] for s in want_evals} == want_evals
   _, a, _ = weights.restore_params(smoke_config(), reference)
   _, b, _ = weights.restore_params(smoke_config(), workdir)
   for (k, x), (_, y) in zip(nnx.to_flat_state(a), nnx.to_flat_state(b), strict=True):

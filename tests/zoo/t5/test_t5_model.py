@@ -89,6 +89,7 @@ def test_decode_logits_equal_teacher_forced_logits():
   np.testing.assert_allclose(np.stack(got, 1), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_padding_and_packing_of_the_source():
   """Padded source tokens change nothing; two pairs packed in a row (segments 1 and 2 of the
   source and of the decoder) give the logits each gives alone."""
