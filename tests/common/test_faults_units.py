@@ -149,12 +149,12 @@ def poison_step(cfg, step: int, monkeypatch):
   row = [next(batches) for _ in range(step)][-1]["tokens"][0]
   loss_sums = losses.loss_sums
 
-  def poisoned(model, batch):
-    total, count = loss_sums(model, batch)
+  def poisoned(model, batch, **kw):
+    total, count = loss_sums(model, batch, **kw)
     hit = jnp.all(batch["tokens"][0] == jnp.asarray(row))
     return total * jnp.where(hit, jnp.nan, 1.0), count  # NaN loss and gradients
 
-  monkeypatch.setattr(trainer, "loss_sums", poisoned)
+  monkeypatch.setattr(losses, "loss_sums", poisoned)  # what the trainer's task_sums calls
 
 
 @pytest.mark.slow
