@@ -4,10 +4,11 @@ lm/shakespeare-char: the same data, steps and active parameters per token.
 Command:   zoo run lm/shakespeare-moe --workdir runs/moe
 Hardware:  a 2-core CPU (no accelerator needed); 8 devices: --config.mesh.expert=4
            --config.mesh.data=2 with XLA_FLAGS=--xla_force_host_platform_device_count=8.
-Time:      not yet measured in full on an idle machine (see README's MoE section for the
-           step-time ratio against the dense model).
-Expected:  not yet measured: the held-out loss at step 900 is to be compared with
-           lm/shakespeare-char's 1.58 nats per character.
+Time:      the full 900 steps not yet measured. Side by side with lm/shakespeare-char (both
+           --config.train.steps=150, run at the same time on 2 loaded CPU cores): 756 tokens/s
+           against the dense model's 1,082 (a step 1.43x as long), 928 s against 756 s.
+Expected:  at step 150 of that 150-step run, held-out 1.989 nats per character (dense 1.979);
+           the 900-step figure, to set beside the dense model's 1.58, is not measured yet.
 """
 
 import ml_collections
