@@ -1,6 +1,8 @@
 """The device mesh `(data, fsdp, expert, tensor)`: sizes from config, -1 meaning "the rest"."""
 
+import contextlib
 import math
+import os
 
 import ml_collections
 
@@ -45,12 +47,29 @@ def hardware_name(devices=None) -> str:
   """`cpux1`, `gpu-nvidia-h100-80gb-hbm3x8`, `tpu-v5px64`: the device kind and count."""
   import jax
 
-  devices = devices if devices is not None else jax.devices()
+  if devices is None:
+    with quiet_stderr():  # the first call starts the backends: libtpu's C-level noise on a CPU
+      devices = jax.devices()
   d = devices[0]
   kind = d.device_kind.lower().replace(" ", "-")
   if not kind.startswith(d.platform):
     kind = f"{d.platform}-{kind}"
   return f"{kind}x{len(devices)}"
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+  """Silences stderr at the file-descriptor level: libtpu (installed with the tpu and test
+  extras) warns from C, when jax starts its backends on a machine without a TPU, that it finds
+  no TPU metadata; a user error should stay one line."""
+  saved = os.dup(2)
+  with open(os.devnull, "w") as null:
+    os.dup2(null.fileno(), 2)
+    try:
+      yield
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
 
 
 def pick_rule(rules, hardware: str) -> tuple[str, dict] | None:

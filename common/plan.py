@@ -8,7 +8,6 @@ moves (`cost_analysis`), from which a roofline gives the step time. `plan` retur
 dict; `format` prints them; `zoo plan` exits 2 with the levers to pull when it does not fit.
 """
 
-import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -130,19 +129,6 @@ def parse_topology(name: str) -> Topology:
   return Topology(name, gen, SHAPES[chip.dims][chips], chips)
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-  """libtpu warns on stderr, from C, that this machine has no TPU metadata: expected here."""
-  saved = os.dup(2)
-  with open(os.devnull, "w") as null:
-    os.dup2(null.fileno(), 2)
-    try:
-      yield
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
-
-
 def devices(topology: Topology) -> list:
   """The slice's devices (abstract: they compile, they never run), one per chip."""
   if importlib.util.find_spec("libtpu") is None:
@@ -160,7 +146,7 @@ def devices(topology: Topology) -> list:
   if topology.chips == 1:
     kw["chips_per_host_bounds"] = (1, 1, 1)  # the default host is 2x2 chips
   try:
-    with _quiet_stderr():
+    with mesh.quiet_stderr():
       desc = topologies.get_topology_desc(platform="tpu", topology_name=topology.jax_name, **kw)
   except Exception as e:  # libtpu rejects a shape it cannot build
     raise UserError(f"libtpu cannot build topology {topology.jax_name}: {e}") from None
