@@ -8,6 +8,8 @@ REGISTRY = {
     "lm/llama3-8b": "experiments.lm.llama3_8b",
     "lm/mistral-7b": "experiments.lm.mistral_7b",
     "lm/qwen3-0.6b": "experiments.lm.qwen3_0_6b",
+    "lm/mixtral-8x7b": "experiments.lm.mixtral_8x7b",
+    "lm/qwen3-30b-a3b": "experiments.lm.qwen3_30b_a3b",
     "lm/gemma2-2b": "experiments.lm.gemma2_2b",
     "lm/gemma3-1b": "experiments.lm.gemma3_1b",
     "lm/shakespeare-finetune": "experiments.lm.shakespeare_finetune",

@@ -1,0 +1,79 @@
+"""Pretraining recipe for qwen3-30b-a3b (30.5 B parameters, 3.4 B active) on your text files.
+
+Command:   zoo run lm/qwen3-30b-a3b --workdir runs/qwen3-30b-a3b \
+             --config.data.train_files='corpus/*.jsonl' --config.data.tokenizer.path=tokenizer.json
+Hardware:  the full model needs accelerators (about 16 bytes of weights and AdamW state per
+           parameter, sharded with mesh.fsdp); `lm/qwen3-30b-a3b:smoke` runs on one CPU in seconds.
+Time:      not measured on accelerators here; the smoke form takes about 10 s on 2 CPU cores.
+Expected:  no reference metric: the loss depends on your corpus. The smoke form's loss falls.
+Data:      text files (one document each) or .jsonl files (field `text`), comma-separated globs.
+"""
+
+import ml_collections
+
+from common import mesh
+from common.data import pipeline, tokenizers
+from common.train import settings
+from zoo.llama import model as llama
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.init_from = ""
+  c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "embed.*,lm_head.*")
+
+  # Data: your corpus, in the model's own tokenizer (Qwen3's tokenizer.json, kind hf).
+  c.data = pipeline.config(
+      kind="files",
+      train_files="",
+      eval_files="",
+      tokenizer=tokenizers.config("hf"),
+      seq_len=4096,
+  )
+
+  # Model: the published qwen3-30b-a3b dimensions (a mixture of experts: `zoo show` prints the
+  # active parameters too). On 8+ devices, --config.mesh.expert splits the experts.
+  c.model = llama.config("qwen3-30b-a3b")
+  c.model.dtype = "bfloat16"
+
+  # Optimizer
+  c.optim = settings.optim(warmup_steps=2000)
+
+  # Training
+  c.train = settings.train(steps=100_000, batch_size=512, eval_every=1000, eval_batches=50)
+  c.mesh = mesh.config(fsdp=-1)
+  # Mesh rules: the first pattern matching the hardware (`zoo show` says which) sets the mesh
+  # and memory levers; not measured here (no accelerator), the intent of the recipe.
+  c.mesh_rules = [
+      ("cpu*", {"mesh.fsdp": -1}),
+      ("gpu-*h100*x8", {"mesh.fsdp": 8, "model.remat": "save_dots"}),
+      ("gpu-*h200*x8", {"mesh.fsdp": 8}),
+      # TPU, 64-chip slices (named as jax reports them: v5p "TPU v5", v5e "TPU v5 lite"), sized
+      # with `zoo plan` (bench/plan_recipes.py). XLA's attention holds [T, S] scores: one row a
+      # device at a time (micro-batches), and heads split over tensor where HBM is small.
+      ("tpu-v5x64", {"mesh.fsdp": 64, "model.remat": "full", "model.scan": True,
+                     "train.micro_batches": 8}),
+      ("tpu-v4x64", {"mesh.fsdp": 32, "mesh.tensor": 2, "model.remat": "full",
+                     "model.scan": True, "train.micro_batches": 16}),
+      ("tpu-v6-litex64", {"mesh.fsdp": 32, "mesh.tensor": 2, "model.remat": "full",
+                          "model.scan": True, "train.micro_batches": 16}),
+      ("tpu-v5-litex64", {"mesh.fsdp": 16, "mesh.tensor": 4, "model.remat": "full",
+                          "model.scan": True, "train.micro_batches": 32}),
+  ]
+
+  if arg == "smoke":
+    c.mesh_rules = []  # one CPU: the mesh as written
+    # Same recipe, tiny: bytes of Shakespeare instead of your corpus and tokenizer.
+    c.data.update(kind="shakespeare", eval_plays="tempest", seq_len=32)
+    c.data.tokenizer = tokenizers.config("bytes")
+    # The qwen3-30b-a3b architecture (its router, GQA ratio, norms, RoPE) in tiny shapes.
+    c.model = llama.config(
+        "qwen3-30b-a3b", vocab_size=256, dim=64, num_layers=2, hidden_dim=32,
+        num_heads=4, num_kv_heads=2, head_dim=16, num_experts=6, top_k=3,
+    )
+    c.model.dtype = "float32"
+    c.train.update(steps=4, batch_size=4, log_every=1, eval_every=4, eval_batches=2,
+                   checkpoint_every=2)
+    c.mesh.update(data=1, fsdp=1, tensor=1)
+  return c
