@@ -105,13 +105,22 @@ def generate(
 
 
 def generate_stepwise(model, prompt_BP, *, max_new_tokens: int) -> jax.Array:
-  """Greedy decoding one Python step at a time with full recomputation: the slow reference the
-  compiled path is tested against."""
-  tokens = jnp.asarray(prompt_BP, jnp.int32)
-  for _ in range(max_new_tokens):
-    next_B = jnp.argmax(model(tokens)[:, -1], axis=-1)
-    tokens = jnp.concatenate([tokens, next_B[:, None].astype(tokens.dtype)], axis=1)
-  return tokens
+  """Greedy decoding with full recomputation and no cache: the slow reference the compiled path
+  is tested against. `model` is any causal tokens -> logits callable; each step runs it over the
+  whole [B, P + max_new_tokens] buffer (the positions after the current one hold 0s, which a
+  causal model never sees), so a jitted callable (or a module, jitted here) compiles once
+  instead of once per length."""
+  if isinstance(model, nnx.Module):
+    graphdef, state = nnx.split(model)
+    full = jax.jit(lambda state, tokens_BL: nnx.merge(graphdef, state)(tokens_BL))
+    model = functools.partial(full, state)
+  prompt_BP = jnp.asarray(prompt_BP, jnp.int32)
+  P = prompt_BP.shape[1]
+  buffer_BL = jnp.pad(prompt_BP, ((0, 0), (0, max_new_tokens)))
+  for t in range(P, P + max_new_tokens):
+    next_B = jnp.argmax(model(buffer_BL)[:, t - 1], axis=-1)
+    buffer_BL = buffer_BL.at[:, t].set(next_B.astype(jnp.int32))
+  return buffer_BL
 
 
 @functools.partial(

@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,23 +102,35 @@ def zoo_run(workdir, devices: int, mesh: tuple[int, int, int], steps: int):
   assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+STRAIGHT_STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """One uninterrupted (2, 2, 2) run that the resume tests compare against (the schedule is
+  constant, so its first steps are those of any shorter run)."""
+  workdir = tmp_path_factory.mktemp("straight")
+  zoo_run(workdir, 8, (2, 2, 2), STRAIGHT_STEPS)
+  return losses(workdir)
+
+
 def losses(workdir) -> dict[int, float]:
   lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
   return {x["step"]: x["loss"] for x in lines if "split" not in x}
 
 
-def test_checkpoint_saved_on_one_mesh_resumes_on_another(tmp_path):
+def test_checkpoint_saved_on_one_mesh_resumes_on_another(tmp_path, straight):
   """Save on (2,2,2); resume on (1,8,1) and on one device: the continued losses equal those of
   an uninterrupted run (to float tolerance: the meshes sum in different orders)."""
-  straight = tmp_path / "straight"
-  zoo_run(straight, 8, (2, 2, 2), 6)
+  saved = tmp_path / "saved"
+  zoo_run(saved, 8, (2, 2, 2), 4)
   for name, devices, mesh in [("fsdp8", 8, (1, 8, 1)), ("one", 1, (1, 1, 1))]:
     workdir = tmp_path / name
-    zoo_run(workdir, 8, (2, 2, 2), 4)
+    shutil.copytree(saved, workdir)
     zoo_run(workdir, devices, mesh, 6)
-    got, want = losses(workdir), losses(straight)
+    got = losses(workdir)
     for step in (5, 6):
-      assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
+      assert got[step] == pytest.approx(straight[step], rel=1e-5), (name, step)
 
 
 def free_port() -> int:
@@ -159,11 +172,9 @@ def finish(procs, code: int = 0) -> list[str]:
   return errs
 
 
-def test_two_processes_match_one_process_with_the_same_global_mesh(tmp_path):
+def test_two_processes_match_one_process_with_the_same_global_mesh(tmp_path, straight):
   """Two processes on 127.0.0.1 with 4 fake devices each form one (2, 2, 2) mesh; each feeds its
   half of every batch from its own iterator. Losses equal one process with 8 devices."""
-  one = tmp_path / "one"
-  zoo_run(one, 8, (2, 2, 2), 4)
   two = tmp_path / "two"
   finish(two_processes(two, 4))
   # Logged once (process 0), and each process saved its own data-iterator state.
@@ -172,17 +183,15 @@ def test_two_processes_match_one_process_with_the_same_global_mesh(tmp_path):
     "process_0-of-2.json",
     "process_1-of-2.json",
   }
-  for step, loss in losses(one).items():
-    assert losses(two)[step] == pytest.approx(loss, rel=1e-6), step
+  for step, loss in losses(two).items():
+    assert loss == pytest.approx(straight[step], rel=1e-6), step
 
 
-def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
+def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path, straight):
   """A preemption notice may reach one host only: SIGTERM to process 1 alone. Both processes
   stop after the same step, save it together and exit 143; rerun, they continue with the
   losses of an uninterrupted run."""
-  steps = 16
-  straight = tmp_path / "straight"
-  zoo_run(straight, 8, (2, 2, 2), steps)
+  steps = STRAIGHT_STEPS
   two = tmp_path / "two"
   procs = two_processes(two, steps)
   deadline = time.monotonic() + 240
@@ -202,10 +211,10 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     "process_1-of-2.json",
   }
   finish(two_processes(two, steps))
-  got, want = losses(two), losses(straight)
+  got = losses(two)
   assert sorted(got) == list(range(1, steps + 1))
   for s in range(1, steps + 1):
-    assert got[s] == pytest.approx(want[s], rel=1e-6), s
+    assert got[s] == pytest.approx(straight[s], rel=1e-6), s
 
 
 def logged_steps(workdir) -> int:
