@@ -7,8 +7,9 @@ The model: 8 experts, top-2, 4 layers, D 256, expert hidden 768, 8 heads (2 kv),
 vocab, batch 8 x 256, fp32 AdamW with clipping. The zoo step is the trainer's (load-balancing
 loss included, as Mixtral's coefficient 0.02; the torch side adds transformers' own
 load_balancing_loss_func with the same coefficient through output_router_logits). Prints
-tokens/s at each contender's median step time and the ratios. The MoE layer against a dense MLP
-of the same active size: bench/moe_layer.py.
+tokens/s at each contender's median step time and the ratios, and beside them the zoo's dense
+model whose MLP does the same work per token (hidden k * F): what the MoE step would cost with no
+routing at all. The MoE layer alone against that dense MLP: bench/moe_layer.py.
 """
 
 import argparse
@@ -128,6 +129,20 @@ def main():
     return float(m["loss"])
 
   runners = {"zoo": run_zoo}
+  # The ceiling for the MoE step: the zoo's dense model whose MLP does the same work per token
+  # (hidden k * F), the routing overhead's absence.
+  dense = {k: v for k, v in OVERRIDES.items() if k != "model.mlp.num_experts"}
+  dense["model.mlp.kind"] = "dense"
+  dense["model.mlp.hidden_dim"] = str(cfg.model.mlp.top_k * cfg.model.mlp.hidden_dim)
+  dense_cfg = experiments.get_config("lm/shakespeare-moe", dense)
+  dense_state, dense_step = zoo_step(dense_cfg, 0)
+  holder["dense"] = dense_state
+
+  def run_dense():
+    holder["dense"], m = dense_step(holder["dense"], batch)
+    return float(m["loss"])
+
+  runners["zoo dense k*F"] = run_dense
   for name, compile_ in [("torch eager", False)] + (
     [] if args.no_compile else [("torch.compile", True)]
   ):
@@ -157,8 +172,9 @@ def main():
   for name, ts in times.items():
     print(f"{name:16s} {tps[name]:10.0f} {1e3 * statistics.median(ts):9.1f}")
   for other in runners:
-    if other != "zoo":
+    if other not in ("zoo", "zoo dense k*F"):
       print(f"zoo / {other}: {tps['zoo'] / tps[other]:.2f}x")
+  print(f"zoo MoE step / zoo dense k*F step (time): {tps['zoo dense k*F'] / tps['zoo']:.2f}x")
 
 
 if __name__ == "__main__":
