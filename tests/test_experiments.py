@@ -231,6 +231,7 @@ def smoke_step(model_cfg, seq_len: int, batch_size: int = 2) -> tuple[float, flo
 
 @pytest.mark.parametrize("exp", NAMES)
 @pytest.mark.parametrize("modifier", sorted(MODIFIERS))
+@pytest.mark.slow
 def test_modifier_reaches_every_experiment(modifier, exp):
   cfg = experiments.get_config(f"{exp}:smoke")
   before = config_lib.golden_text(cfg)

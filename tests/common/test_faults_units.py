@@ -85,6 +85,7 @@ def test_finite_refuses_nan_or_inf_in_the_loss_or_the_gradient_norm():
     assert bool(check(jnp.float32(loss), jnp.float32(norm))) is ok
 
 
+@pytest.mark.slow
 def test_train_step_skips_a_non_finite_update_but_counts_the_step():
   cfg = smoke_config({"optim.warmup_steps": "0"})  # a first step that moves the params
   tx = optim.optimizer(cfg.optim, cfg.train.steps)

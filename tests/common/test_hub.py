@@ -219,6 +219,7 @@ def assert_parity(ours, model, x, atol=ATOL) -> float:
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.slow
 def test_convert_matches_transformers_and_exports_back(name, tmp_path):
   model = hf_model(name)
   model.save_pretrained(tmp_path / "hf")

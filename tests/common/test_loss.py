@@ -33,6 +33,7 @@ def sums_and_grads(cfg, batch, chunk):
 
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("chunk", [5, 64])
+@pytest.mark.slow
 def test_chunked_equals_plain(tie, chunk):
   cfg = llama.config("tiny", vocab_size=97, tie_embeddings=tie)
   b = batch(cfg.vocab_size)

@@ -71,6 +71,7 @@ def test_accumulating_four_micro_batches_equals_one_batch():
   assert_same(sums(cfg, micro_batches=4)[0], sums(cfg, micro_batches=1)[0])
 
 
+@pytest.mark.slow
 def test_bf16_compute_keeps_fp32_master_weights():
   cfg = llama.config("tiny")
   cfg.dtype = "bfloat16"

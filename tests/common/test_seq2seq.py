@@ -47,6 +47,7 @@ def test_shift_right_starts_each_target_segment():
   np.testing.assert_array_equal(got, [[3, 5, 6, 7, 8, 3], [3, 5, 3, 7, 8, 9]])
 
 
+@pytest.mark.slow
 def test_seq2seq_loss_is_the_summed_cross_entropy_of_real_targets():
   model = models.build(t5.config("tiny", vocab_size=64), seed=0)
   rng = np.random.default_rng(0)

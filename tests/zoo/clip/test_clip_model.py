@@ -22,6 +22,7 @@ def pictures(n=2, seed=0):
   return jnp.asarray(np.random.default_rng(seed).random((n, 32, 32, 3)), jnp.float32)
 
 
+@pytest.mark.slow
 def test_feature_shapes(model):
   tokens = jnp.asarray(image_data.encode_texts(["a handwritten 7", "a seven"], 48))
   assert model.encode_text(tokens).shape == (2, 32)

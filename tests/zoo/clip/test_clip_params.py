@@ -86,6 +86,7 @@ def assert_parity(ours, model, images, tokens):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.slow
 def test_features_and_logits_match_transformers(name, tmp_path):
   model = hf_clip(name)
   model.save_pretrained(tmp_path)

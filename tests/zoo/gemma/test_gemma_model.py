@@ -22,6 +22,7 @@ def test_published_parameter_count(preset):
 
 
 @pytest.mark.parametrize("preset", sorted(p for p in gemma.PRESETS if p != "tiny"))
+@pytest.mark.slow
 def test_every_preset_counts_as_transformers(preset):
   """Each preset exported as config.json and built by transformers on the meta device (no
   memory) has our parameter count."""
@@ -64,6 +65,7 @@ PATTERNS = {
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 @pytest.mark.parametrize("name", list(PATTERNS))
+@pytest.mark.slow
 def test_scan_over_the_pattern_equals_no_scan(name, remat):
   cfg, model = tiny(**PATTERNS[name])
   graphdef, params = nnx.split(model, nnx.Param)
@@ -103,6 +105,7 @@ def test_cached_decoding_with_sliding_windows_equals_full_forward():
   np.testing.assert_array_equal(out, want)
 
 
+@pytest.mark.slow
 def test_final_softcap_on_every_path():
   """Plain logits, the chunked loss, the eval loss and decoding all see capped logits."""
   cfg, model = tiny(final_softcap=0.5)

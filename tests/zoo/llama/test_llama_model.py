@@ -128,6 +128,7 @@ B, P, T = 2, 5, 12  # decoding: batch, prompt length, total length
   ],
   ids=["rope-gqa", "window4", "qknorm-qkvbias-mqa", "alibi", "learned", "moe"],
 )
+@pytest.mark.slow
 def test_cached_decoding_equals_full_forward(variant, overrides):
   model = tiny(variant, **overrides)
   toks = tokens(4, (B, T))

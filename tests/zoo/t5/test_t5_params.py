@@ -107,6 +107,7 @@ def converted(request, tmp_path_factory):
   return name, model, tmp, summary
 
 
+@pytest.mark.slow
 def test_convert_matches_transformers(converted):
   name, model, tmp, summary = converted
   assert summary["params"] == model.num_parameters()
