@@ -1,4 +1,4 @@
-"""The `zoo` command: list, show, run, eval, generate, convert, export. See DESIGN.md for the
+"""The `zoo` command: list, show, plan, run, eval, generate, convert, export. See DESIGN.md for the
 contract."""
 
 import argparse
