@@ -6,8 +6,9 @@ Time:      117 s on 2 idle CPU cores, start to end (the same run gave the same 0
            when the cores were shared with other jobs (load average 10-12).
 Expected:  held-out accuracy 0.936 (loss 0.256) on the last 360 digits at step 2,000 (0.87 at
            step 1,000); below the 0.95 aimed at. The same recipe for 2,500 steps gave 0.914 (12
-           min under heavier load): one run on 360 images swings by points (see seeds below). For comparison on this split,
-           scikit-learn's RBF SVC gets 0.944 and logistic regression 0.900; shifts alone instead
+           min under heavier load): one run on 360 images swings by points (seeds, below). For
+           comparison on this split, scikit-learn's RBF SVC gets 0.944 and logistic regression
+           0.900; shifts alone instead
            of the affine augmentation gave 0.914 at step 2,000, mean pooling (model.pool) 0.80 at
            step 1,000. Neither more steps, a larger model nor milder augmentation helped:
            4,000 steps 0.928, D=96 (hidden 384) for 3,000 steps 0.900, rotations of up to 10
