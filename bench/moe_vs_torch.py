@@ -121,28 +121,26 @@ def main():
   tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, T + 1), np.int32)
   batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.ones((B, T + 1), jnp.int32)}
   tokens_t = torch.from_numpy(tokens.astype(np.int64))
-  state, zoo = zoo_step(cfg, 0)
-  holder = {"zoo": state}
 
-  def run_zoo():
-    holder["zoo"], m = zoo(holder["zoo"], batch)
-    return float(m["loss"])
+  def zoo_runner(cfg):
+    """(the initial train state, a function that runs one step and returns its loss)."""
+    state, step = zoo_step(cfg, 0)
+    holder = [state]
 
-  runners = {"zoo": run_zoo}
+    def run():
+      holder[0], m = step(holder[0], batch)
+      return float(m["loss"])
+
+    return state, run
+
+  runners = {}
+  state, runners["zoo"] = zoo_runner(cfg)
   # The ceiling for the MoE step: the zoo's dense model whose MLP does the same work per token
   # (hidden k * F), the routing overhead's absence.
   dense = {k: v for k, v in OVERRIDES.items() if k != "model.mlp.num_experts"}
   dense["model.mlp.kind"] = "dense"
   dense["model.mlp.hidden_dim"] = str(cfg.model.mlp.top_k * cfg.model.mlp.hidden_dim)
-  dense_cfg = experiments.get_config("lm/shakespeare-moe", dense)
-  dense_state, dense_step = zoo_step(dense_cfg, 0)
-  holder["dense"] = dense_state
-
-  def run_dense():
-    holder["dense"], m = dense_step(holder["dense"], batch)
-    return float(m["loss"])
-
-  runners["zoo dense k*F"] = run_dense
+  _, runners["zoo dense k*F"] = zoo_runner(experiments.get_config("lm/shakespeare-moe", dense))
   for name, compile_ in [("torch eager", False)] + (
     [] if args.no_compile else [("torch.compile", True)]
   ):
