@@ -89,7 +89,8 @@ def test_per_device_state_bytes_are_total_over_fsdp_times_tensor(results, mesh):
   assert r["state_bytes_per_device"] == sharded // (fsdp * tensor) + r["replicated_bytes"]
 
 
-def zoo_run(workdir, devices: int, mesh: tuple[int, int, int], steps: int):
+def zoo_args(workdir, mesh: tuple[int, int, int], steps: int) -> list[str]:
+  """`zoo run` of the smoke experiment on `mesh` (data, fsdp, tensor), logging every step."""
   data, fsdp, tensor = mesh
   args = ["-m", "common.cli", "run", "lm/shakespeare-char:smoke", "--workdir", str(workdir)]
   args += [f"--config.mesh.data={data}", f"--config.mesh.fsdp={fsdp}"]
@@ -97,8 +98,11 @@ def zoo_run(workdir, devices: int, mesh: tuple[int, int, int], steps: int):
   args += ["--config.train.batch_size=8", "--config.train.log_every=1"]
   # A constant rate with a short warm-up: the schedule must not depend on train.steps here.
   args += ["--config.optim.schedule=constant", "--config.optim.warmup_steps=2"]
-  args += ["--config.train.eval_every=0"]
-  proc = run(args, devices=devices)
+  return args + ["--config.train.eval_every=0"]
+
+
+def zoo_run(workdir, devices: int, mesh: tuple[int, int, int], steps: int):
+  proc = run(zoo_args(workdir, mesh, steps), devices=devices)
   assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -144,11 +148,7 @@ def free_port() -> int:
 def two_processes(workdir, steps: int) -> list[subprocess.Popen]:
   """`zoo run` as two processes on 127.0.0.1 with 4 fake devices each: one (2, 2, 2) mesh."""
   port = free_port()
-  args = ["-m", "common.cli", "run", "lm/shakespeare-char:smoke", "--workdir", str(workdir)]
-  args += ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
-  args += [f"--config.train.steps={steps}", "--config.train.batch_size=8", "--quiet"]
-  args += ["--config.train.log_every=1", "--config.optim.schedule=constant"]
-  args += ["--config.optim.warmup_steps=2", "--config.train.eval_every=0"]
+  args = zoo_args(workdir, (2, 2, 2), steps)
   args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
   return [
