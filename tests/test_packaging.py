@@ -1,0 +1,39 @@
+"""The installed nnx-zoo owns its top-level import names alone.
+
+transformers 5.25 began to depend on Hugging Face's `kernels` distribution; the zoo's top-level
+`kernels` package then shadowed it (transformers' `from kernels import CUDAProperties` found
+ours) or was shadowed by it, depending on sys.path. This test fails as soon as any installed
+distribution ships a top-level name the zoo also ships.
+"""
+
+import importlib.metadata
+import importlib.util
+import pathlib
+import tomllib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def zoo_top_level_names() -> set[str]:
+  include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+    "packages"]["find"]["include"]
+  return {p.name for p in ROOT.iterdir()
+          if (p / "__init__.py").exists() and any(p.name == i.rstrip("*") for i in include)}
+
+
+def test_no_other_distribution_ships_our_top_level_packages():
+  try:
+    importlib.metadata.distribution("nnx-zoo")
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip("nnx-zoo is not installed (pip install -e .)")
+  names = zoo_top_level_names()
+  assert names == {"common", "zoo", "experiments", "zoo_kernels"}
+  owners = importlib.metadata.packages_distributions()
+  clashes = {n: sorted(set(owners.get(n, [])) - {"nnx-zoo"}) for n in names}
+  assert not any(clashes.values()), (
+    f"installed distributions also ship these top-level packages: {clashes}; rename ours")
+  for name in names:  # and the import system finds ours, wherever the tests run from
+    origin = pathlib.Path(importlib.util.find_spec(name).origin).resolve()
+    assert origin.is_relative_to(ROOT), (name, origin)
