@@ -28,7 +28,8 @@ def config(**kw) -> ml_collections.ConfigDict:
   out) or "npz" (.npz files with `images` and `labels`, comma-separated paths or globs);
   augment: "shift" (random shifts of up to max_shift pixels, training only), "affine" (also
   rotated by up to max_rotate degrees and scaled by up to 1 +- max_scale, the shift fractional,
-  bilinear) or "none";
+  bilinear) or "none"; augment_prob: the share of training images augmented (each drawn anew:
+  the rest enter as they are);
   caption_len > 0: each training image paired with one of its digit's captions, as that many
   byte tokens (`caption_tokens`; CLIP), 0: images and labels only."""
   cfg = {
@@ -39,6 +40,7 @@ def config(**kw) -> ml_collections.ConfigDict:
     "max_shift": 1,
     "max_rotate": 15.0,  # augment="affine" only
     "max_scale": 0.1,  # augment="affine" only
+    "augment_prob": 1.0,  # < 1: only this share of training images is augmented
     "caption_len": 0,
   }
   unknown = set(kw) - set(cfg)
@@ -177,12 +179,14 @@ def train_iterator(
   max_shift: int = 1,
   max_rotate: float = 15.0,
   max_scale: float = 0.1,
+  augment_prob: float = 1.0,
   num_captions: int = 0,
   caption_tokens: np.ndarray | None = None,
 ) -> grain.DatasetIterator:
   """Endless shuffled global batches (reshuffled each epoch), this process's share of each.
   augment="shift" moves each image by up to max_shift pixels each way, "affine" also rotates it
-  by up to max_rotate degrees and scales it by up to 1 +- max_scale; num_captions > 0 picks
+  by up to max_rotate degrees and scales it by up to 1 +- max_scale; augment_prob < 1 leaves
+  each image as it is with probability 1 - augment_prob; num_captions > 0 picks
   one caption per image (the "captions" entry, an index into `captions(label)`). Both are drawn
   per position in the stream, so each epoch draws anew and a restored iterator draws the same.
   `caption_tokens` [classes, captions, T] (`caption_tokens(T)`) picks the captions among its
@@ -191,6 +195,8 @@ def train_iterator(
     num_captions = caption_tokens.shape[1]
   if augment not in AUGMENTS:
     raise UserError(f"Unknown augment {augment!r}: use one of {AUGMENTS}.")
+  if not 0 <= augment_prob <= 1:
+    raise UserError(f"data.augment_prob={augment_prob} is not a probability: give one in [0, 1].")
   if len(source) < batch_size:
     raise UserError(
       f"The training data has {len(source)} images, fewer than train.batch_size={batch_size}: "
@@ -200,11 +206,13 @@ def train_iterator(
 
   def draw(example, rng: np.random.Generator):
     image = example["images"]
-    if augment == "affine":
+    # Drawn only when some images stay plain, so augment_prob=1 keeps the streams of before.
+    augmented = augment_prob == 1 or rng.uniform() < augment_prob
+    if augmented and augment == "affine":
       dy, dx = rng.uniform(-max_shift, max_shift, size=2)
       angle, scale = rng.uniform(-max_rotate, max_rotate), 1 + rng.uniform(-max_scale, max_scale)
       image = affine(image, angle=angle, scale=scale, dy=dy, dx=dx)
-    if augment == "shift" and max_shift:
+    if augmented and augment == "shift" and max_shift:
       dy, dx = rng.integers(-max_shift, max_shift + 1, size=2)
       image = shift(image, int(dy), int(dx))
     out = {"images": image, "labels": example["labels"], "weights": np.float32(1.0)}

@@ -155,6 +155,7 @@ def load_data(cfg, *, train: bool = True) -> Data:
         max_shift=cfg.data.max_shift,
         max_rotate=cfg.data.max_rotate,
         max_scale=cfg.data.max_scale,
+        augment_prob=cfg.data.augment_prob,
         caption_tokens=images.caption_tokens(length) if length else None,
       )
     prompts = images.encode_texts(images.class_prompts(), length) if length else None

@@ -219,3 +219,23 @@ def test_captions_and_zero_shot_prompts():
   assert images.class_prompts("a handwritten {digit}")[9] == "a handwritten 9"
   with pytest.raises(UserError):
     images.captions(10)
+
+
+def test_augment_prob_leaves_the_rest_of_the_images_as_they_are(splits):
+  """augment_prob=0.5: about half the images of a stream are the plain ones, the others moved,
+  in the same order; 0 moves none, 1 (the default) every one."""
+  train, _ = splits
+  kw = dict(batch_size=64, seed=3, augment="affine")
+  plain = take(images.train_iterator(train, **kw | dict(augment="none")), 4)
+  every = take(images.train_iterator(train, **kw), 4)
+  half = take(images.train_iterator(train, **kw, augment_prob=0.5), 4)
+  none = take(images.train_iterator(train, **kw, augment_prob=0.0), 4)
+  for p, e, h, n in zip(plain, every, half, none, strict=True):
+    np.testing.assert_array_equal(p["labels"], h["labels"])  # same order
+    np.testing.assert_array_equal(p["images"], n["images"])
+    assert not any(np.array_equal(x, y) for x, y in zip(p["images"], e["images"]))
+  unchanged = [np.array_equal(x, y) for p, h in zip(plain, half) for x, y in zip(
+    p["images"], h["images"])]
+  assert 0.35 < np.mean(unchanged) < 0.65, np.mean(unchanged)
+  with pytest.raises(UserError, match="augment_prob=1.5 is not a probability"):
+    images.train_iterator(train, **kw, augment_prob=1.5)
