@@ -2,21 +2,23 @@
 
 Command:   zoo run vision/vit-digits --workdir runs/vit-digits
 Hardware:  a 2-core CPU (no accelerator needed).
-Time:      117 s on 2 idle CPU cores, start to end (the same run gave the same 0.936); 7.2 min
-           when the cores were shared with other jobs (load average 10-12).
-Expected:  held-out accuracy 0.936 (loss 0.256) on the last 360 digits at step 2,000 (0.87 at
-           step 1,000); below the 0.95 aimed at. The same recipe for 2,500 steps gave 0.914 (12
-           min under heavier load): one run on 360 images swings by points (seeds, below). For
-           comparison on this split, scikit-learn's RBF SVC gets 0.944 and logistic regression
-           0.900; shifts alone instead
-           of the affine augmentation gave 0.914 at step 2,000, mean pooling (model.pool) 0.80 at
-           step 1,000. Neither more steps, a larger model nor milder augmentation helped:
-           4,000 steps 0.928, D=96 (hidden 384) for 3,000 steps 0.900, rotations of up to 10
-           degrees and scales of 5% 0.903, 1x1 patches (65 tokens) 0.81 at step 1,000. Seeds
-           matter: --config.seed=1 gives 0.869. The affine augmentation on half the images only
-           (a local edit, not yet an option) gave 0.958, 0.928 and 0.944 with seeds 0, 1, 2.
+Time:      189 s on 2 idle CPU cores, start to end; more when the cores are shared with other
+           jobs.
+Expected:  held-out accuracy 0.953 on the last 360 digits at step 3,000 (0.956 at step 2,000,
+           0.944 at 2,500). The 0.95 aimed at is reached by this seed, not by every one: seeds 1
+           and 2 give 0.947 and 0.942 (mean of the three 0.947); one run on 360 images swings by
+           a point or two.
+           For comparison on this split, scikit-learn's RBF SVC gets 0.944 and logistic
+           regression 0.900. Measured, three seeds each, at 2,000 steps: every image augmented
+           0.936 and 0.869 (seeds 0 and 1), half of them 0.958/0.928/0.944 (mean 0.943);
+           with the learning rate decayed to 0 0.940, weight decay 0.3 0.944, label smoothing
+           0.1 0.929, a 3x3 cut-out on half the images 0.947, elastic distortion 0.894; cut-out
+           at 3,000 steps 0.933/0.928. Earlier, with every image augmented: shifts alone 0.914,
+           mean pooling 0.80 at step 1,000, 4,000 steps 0.928, D=96 0.900, milder rotations and
+           scales 0.903, 1x1 patches 0.81 at step 1,000.
 Data:      the 1,797 8x8 grey digits of `sklearn.datasets.load_digits`; the first 1,437 train
-           (rotated, scaled and shifted anew each epoch); the last 360 are held out.
+           (half of them rotated, scaled and shifted, drawn anew each epoch); the last 360 are
+           held out.
 """
 
 import ml_collections
@@ -33,10 +35,10 @@ def get_config(arg=None):
   c.init_from = ""
   c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "head.*")
 
-  # Data: 8x8 digits, one channel in [0, 1]; each training image rotated by up to 15 degrees,
-  # scaled by up to 10% and shifted by up to a pixel, drawn anew each epoch.
+  # Data: 8x8 digits, one channel in [0, 1]; half the training images (drawn anew each epoch)
+  # rotated by up to 15 degrees, scaled by up to 10% and shifted by up to a pixel.
   c.data = images.config(kind="digits", augment="affine", max_shift=1, max_rotate=15.0,
-                         max_scale=0.1)
+                         max_scale=0.1, augment_prob=0.5)
 
   # Model: 2x2 patches (16 and the class token), 4 pre-norm layers, D=64, 4 heads of 16.
   c.model = vit.config(
@@ -47,8 +49,8 @@ def get_config(arg=None):
   # Optimizer
   c.optim = settings.optim(lr=3e-3, warmup_steps=200, b2=0.99, weight_decay=0.05)
 
-  # Training: 64 images a step, 2,000 steps (89 epochs).
-  c.train = settings.train(steps=2000, batch_size=64, log_every=50, eval_every=500,
+  # Training: 64 images a step, 3,000 steps (134 epochs).
+  c.train = settings.train(steps=3000, batch_size=64, log_every=50, eval_every=500,
                            checkpoint_every=1000, keep_checkpoints=1)
   c.mesh = mesh.config()
   # Mesh rules: the first pattern matching the hardware (`zoo show` says which) sets the mesh.
