@@ -4,13 +4,13 @@
 
 One causal GQA attention (B=1, N=8, K=2, H=64), forward and backward (dq, dk, dv), at each
 sequence length. "xla" is what the shared layer runs by default (`make_mask` + `attend`: the
-[B, N, T, S] logits materialised); "flash" is zoo_kernels/flash_attention.py with its default blocks,
-compiled on GPU/TPU and in Pallas interpret mode on CPU (the kernel's grid run as XLA loops, so
-its CPU time says little about a GPU). On a GPU "cudnn" (`jax.nn.dot_product_attention`) is
-measured too. Memory is XLA's temp (scratch) bytes of the compiled step, from
-`.memory_analysis()`: inputs and outputs, the same for all, are left out. A run that would exceed
---max-temp-gb or --max-step-s (extrapolated from the shorter length) is not run, and the table
-says why.
+[B, N, T, S] logits materialised); "flash" is zoo_kernels/flash_attention.py with its default
+blocks, compiled on GPU/TPU and in Pallas interpret mode on CPU (the kernel's grid run as XLA
+loops, so its CPU time says little about a GPU). On a GPU "cudnn"
+(`jax.nn.dot_product_attention`) is measured too. Memory is XLA's temp (scratch) bytes of the
+compiled step, from `.memory_analysis()`: inputs and outputs, the same for all, are left out. A
+run that would exceed --max-temp-gb or --max-step-s (extrapolated from the shorter length) is
+not run, and the table says why.
 """
 
 import argparse

@@ -28,7 +28,9 @@ def lines(paths) -> int:
 def main():
   families = sorted(p.parent.name for p in (ROOT / "zoo").glob("*/model.py"))
   shared = [p for p in tracked("common", "zoo_kernels") if p.endswith(".py")]
-  print("| family | zoo/<family> | tests | experiments (+ goldens) | outside (common/, zoo_kernels/) |")
+  print(
+    "| family | zoo/<family> | tests | experiments (+ goldens) | outside (common/, zoo_kernels/) |"
+  )
   print("|---|---|---|---|---|")
   for family in families:
     own = tracked(f"zoo/{family}")

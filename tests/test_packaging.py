@@ -17,10 +17,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def zoo_top_level_names() -> set[str]:
-  include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-    "packages"]["find"]["include"]
-  return {p.name for p in ROOT.iterdir()
-          if (p / "__init__.py").exists() and any(p.name == i.rstrip("*") for i in include)}
+  include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"][
+    "find"
+  ]["include"]
+  return {
+    p.name
+    for p in ROOT.iterdir()
+    if (p / "__init__.py").exists() and any(p.name == i.rstrip("*") for i in include)
+  }
 
 
 def test_no_other_distribution_ships_our_top_level_packages():
@@ -33,7 +37,8 @@ def test_no_other_distribution_ships_our_top_level_packages():
   owners = importlib.metadata.packages_distributions()
   clashes = {n: sorted(set(owners.get(n, [])) - {"nnx-zoo"}) for n in names}
   assert not any(clashes.values()), (
-    f"installed distributions also ship these top-level packages: {clashes}; rename ours")
+    f"installed distributions also ship these top-level packages: {clashes}; rename ours"
+  )
   for name in names:  # and the import system finds ours, wherever the tests run from
     origin = pathlib.Path(importlib.util.find_spec(name).origin).resolve()
     assert origin.is_relative_to(ROOT), (name, origin)

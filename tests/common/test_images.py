@@ -233,9 +233,12 @@ def test_augment_prob_leaves_the_rest_of_the_images_as_they_are(splits):
   for p, e, h, n in zip(plain, every, half, none, strict=True):
     np.testing.assert_array_equal(p["labels"], h["labels"])  # same order
     np.testing.assert_array_equal(p["images"], n["images"])
-    assert not any(np.array_equal(x, y) for x, y in zip(p["images"], e["images"]))
-  unchanged = [np.array_equal(x, y) for p, h in zip(plain, half) for x, y in zip(
-    p["images"], h["images"])]
+    assert not any(np.array_equal(x, y) for x, y in zip(p["images"], e["images"], strict=True))
+  unchanged = [
+    np.array_equal(x, y)
+    for p, h in zip(plain, half, strict=True)
+    for x, y in zip(p["images"], h["images"], strict=True)
+  ]
   assert 0.35 < np.mean(unchanged) < 0.65, np.mean(unchanged)
   with pytest.raises(UserError, match="augment_prob=1.5 is not a probability"):
     images.train_iterator(train, **kw, augment_prob=1.5)
