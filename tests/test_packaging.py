@@ -17,14 +17,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def zoo_top_level_names() -> set[str]:
-  include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"][
-    "find"
-  ]["include"]
-  return {
-    p.name
-    for p in ROOT.iterdir()
-    if (p / "__init__.py").exists() and any(p.name == i.rstrip("*") for i in include)
-  }
+  """The packages at the top of this tree that pyproject.toml installs."""
+  pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  included = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+  return {p.name for p in ROOT.iterdir() if p.name in included and (p / "__init__.py").exists()}
 
 
 def test_no_other_distribution_ships_our_top_level_packages():
