@@ -2,8 +2,9 @@
 
 Command:   zoo run lm/shakespeare-char --workdir runs/shakespeare
 Hardware:  a 2-core CPU (no accelerator needed).
-Time:      8-10 min of training on 2 CPU cores (6,500-8,700 tokens/s as the shared machine's
-           load varies); README's first command, install included, 9-11 min.
+Time:      8-17 min of training on 2 CPU cores (3,300-8,700 tokens/s: the shared machine's
+           speed varies from day to day); README's first command, install included, 9-11 min,
+           and 18 min on a slow day (2026-12-03, nothing else running).
 Expected:  held-out loss 1.58 nats per character at step 900 (1.74 at step 450), on Hamlet,
            Twelfth Night and Henry V, which training never sees.
 Sample:    zoo generate --workdir runs/shakespeare --prompt "ROMEO:"
