@@ -4,7 +4,7 @@
 
 One causal GQA attention (B=1, N=8, K=2, H=64), forward and backward (dq, dk, dv), at each
 sequence length. "xla" is what the shared layer runs by default (`make_mask` + `attend`: the
-[B, N, T, S] logits materialised); "flash" is zoo_kernels/flash_attention.py with its default
+[B, N, T, S] logits materialised); "flash" is kernels/flash_attention.py with its default
 blocks, compiled on GPU/TPU and in Pallas interpret mode on CPU (the kernel's grid run as XLA
 loops, so its CPU time says little about a GPU). On a GPU "cudnn"
 (`jax.nn.dot_product_attention`) is measured too. Memory is XLA's temp (scratch) bytes of the
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from common.nn import attention
-from zoo_kernels import flash_attention as fa
+from kernels import flash_attention as fa
 
 B, N, K, H = 1, 8, 2, 64
 

@@ -4,7 +4,7 @@ python bench/family_lines.py
 
 A family is zoo/<family>/ (presets, config, HF key map, README), its tests (tests/zoo/<family>/)
 and the experiments that build it (with their golden configs and registry lines). "Outside" is
-every line of common/ or zoo_kernels/ that names the family's module or compares a config's family
+every line of common/ or kernels/ that names the family's module or compares a config's family
 with it: the special cases the design forbids (the target is 0). Counts are of files tracked
 by git at HEAD.
 """
@@ -27,10 +27,8 @@ def lines(paths) -> int:
 
 def main():
   families = sorted(p.parent.name for p in (ROOT / "zoo").glob("*/model.py"))
-  shared = [p for p in tracked("common", "zoo_kernels") if p.endswith(".py")]
-  print(
-    "| family | zoo/<family> | tests | experiments (+ goldens) | outside (common/, zoo_kernels/) |"
-  )
+  shared = [p for p in tracked("common", "kernels") if p.endswith(".py")]
+  print("| family | zoo/<family> | tests | experiments (+ goldens) | outside (common/, kernels/) |")
   print("|---|---|---|---|---|")
   for family in families:
     own = tracked(f"zoo/{family}")

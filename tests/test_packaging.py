@@ -1,9 +1,9 @@
 """The installed nnx-zoo owns its top-level import names alone.
 
-transformers 5.25 began to depend on Hugging Face's `kernels` distribution; the zoo's top-level
-`kernels` package then shadowed it (transformers' `from kernels import CUDAProperties` found
-ours) or was shadowed by it, depending on sys.path. This test fails as soon as any installed
-distribution ships a top-level name the zoo also ships.
+transformers 5.25 began to depend on Hugging Face's `kernels` distribution, whose top-level
+`kernels` package clashes with the zoo's kernels/ (transformers' `from kernels import
+CUDAProperties` found ours); pyproject.toml keeps transformers below 5.25 for that. This test
+fails as soon as any installed distribution ships a top-level name the zoo also ships.
 """
 
 import importlib.metadata
@@ -29,7 +29,7 @@ def test_no_other_distribution_ships_our_top_level_packages():
   except importlib.metadata.PackageNotFoundError:
     pytest.skip("nnx-zoo is not installed (pip install -e .)")
   names = zoo_top_level_names()
-  assert names == {"common", "zoo", "experiments", "zoo_kernels"}
+  assert names == {"common", "zoo", "experiments", "kernels"}
   owners = importlib.metadata.packages_distributions()
   clashes = {n: sorted(set(owners.get(n, [])) - {"nnx-zoo"}) for n in names}
   assert not any(clashes.values()), (

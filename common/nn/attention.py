@@ -7,8 +7,8 @@ by the model (see common/position.py), so attention never branches on which one 
 and values from the encoder's output (`source_kv`, projected once for a whole decoding).
 
 `impl` picks how the softmax(q k^T) v core runs: "xla" (`attend` below, the reference), "flash"
-(the Pallas kernel in zoo_kernels/flash_attention.py, Pallas interpret mode on CPU; on TPU jax's
-splash attention, zoo_kernels/tpu_attention.py) or "cudnn"
+(the Pallas kernel in kernels/flash_attention.py, Pallas interpret mode on CPU; on TPU jax's
+splash attention, kernels/tpu_attention.py) or "cudnn"
 (`jax.nn.dot_product_attention(implementation="cudnn")`, GPU only). Where the chosen one does not
 apply, the layer runs "xla" and logs the reason once (see `choose_impl`).
 """
@@ -26,7 +26,7 @@ from common.errors import UserError
 from common.nn import norms
 from common.nn.linear import Linear
 from common.nn.position import Position
-from zoo_kernels import flash_attention, tpu_attention
+from kernels import flash_attention, tpu_attention
 
 MASKS = ("causal", "bidirectional")
 IMPLS = ("xla", "flash", "cudnn")

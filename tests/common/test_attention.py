@@ -472,7 +472,7 @@ def test_flash_with_alibi_falls_back_to_xla_and_logs_once(caplog, monkeypatch):
     ("flash", dict(), "cpu", "flash"),  # interpret mode
     ("flash", dict(bias=True), "gpu", "xla"),
     ("flash", dict(cache=True), "gpu", "xla"),
-    ("flash", dict(), "tpu", "flash"),  # jax's splash kernel (zoo_kernels/tpu_attention.py)
+    ("flash", dict(), "tpu", "flash"),  # jax's splash kernel (kernels/tpu_attention.py)
     ("flash", dict(bias=True), "tpu", "xla"),
     ("flash", dict(softcap=True, bidirectional_window=True), "gpu", "flash"),
     ("cudnn", dict(), "cpu", "xla"),

@@ -213,7 +213,7 @@ def test_every_recipe_smoke_form_compiles_for_a_tpu_slice(name):
 # layer pattern, MQA), with attention.impl=flash, in the real train step for a TPU slice. jax's
 # splash kernel declares its outputs without shard_map's varying axes, so inside the trainer's
 # check_vma shard_map the layer runs "xla" and says why, once (the kernel itself is compiled for
-# TPU forward and backward in tests/zoo_kernels/test_tpu_attention.py, under check_vma=False).
+# TPU forward and backward in tests/kernels/test_tpu_attention.py, under check_vma=False).
 FLASH_RECIPES = ["lm/llama3-8b", "lm/mistral-7b", "lm/qwen3-0.6b", "lm/gemma2-2b", "lm/gemma3-1b"]
 
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from common.nn import attention as attn
-from zoo_kernels import tpu_attention as tpu
+from kernels import tpu_attention as tpu
 
 # Interpret mode compiles the kernel's grid into XLA loops; these cut that compile time.
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}

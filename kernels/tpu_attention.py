@@ -13,7 +13,7 @@ it does splash does too; one kernel, one set of tests.
 The kernel's blocks are 128 positions at least; a length that is not a multiple of 128 is padded
 and the padding given its own segment, so any T works. On a CPU the kernel runs in Pallas' TPU
 interpret mode (`interpret=True`): slow, but it is the same kernel, so the numerics are tested
-there (tests/zoo_kernels/test_tpu_attention.py).
+there (tests/kernels/test_tpu_attention.py).
 
 Under `jax.shard_map` each device calls it on its own heads and rows (it has no collective).
 """
