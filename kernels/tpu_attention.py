@@ -15,7 +15,9 @@ and the padding given its own segment, so any T works. On a CPU the kernel runs 
 interpret mode (`interpret=True`): slow, but it is the same kernel, so the numerics are tested
 there (tests/kernels/test_tpu_attention.py).
 
-Under `jax.shard_map` each device calls it on its own heads and rows (it has no collective).
+Under `jax.shard_map` each device calls it on its own heads and rows (it has no collective),
+inside the trainer's check_vma shard_map too: jax's kernel does not type its outputs' varying
+mesh axes, which `kernels.vma.per_device` supplies.
 """
 
 import functools
@@ -24,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+from kernels import vma
 
 LANES = 128  # the kernel's blocks are multiples of this
 
@@ -59,21 +63,7 @@ def unsupported_reason(
     return f"queries and keys of different lengths ({T} and {S})"
   if N % K:
     return f"{N} query heads are not a multiple of {K} key/value heads"
-  if _varying(q_BTNH):
-    # jax's splash kernel declares its pallas_call outputs without shard_map's varying axes,
-    # which a shard_map with check_vma=True (the trainer's) refuses; run it where vma is off.
-    return "jax's splash kernel cannot run inside a shard_map with check_vma=True (the trainer's)"
   return None
-
-
-def _varying(x) -> bool:
-  """Does `x` vary over mesh axes, as a value inside a check_vma shard_map does?"""
-  try:
-    aval = jax.typeof(x)
-  except TypeError:  # a ShapeDtypeStruct or anything else with a shape: not traced
-    return False
-  mat = getattr(aval, "mat", None)
-  return bool(getattr(aval, "vma", None) or getattr(mat, "varying", None))
 
 
 def _block(length: int) -> int:
@@ -155,10 +145,14 @@ def attention(
     N, T + padded, causal=causal, window=window, softcap=float(softcap), interpret=interpret
   )
   if seg_BT is None:
-    out_BNTH = jax.vmap(kernel)(q_BNTH, k_BKSH, v_BKSH)
+    out_BNTH = vma.per_device(jax.vmap(kernel))(q_BNTH, k_BKSH, v_BKSH)
   else:
-    segments = splash.SegmentIds(q=seg_BT, kv=seg_BT)
-    out_BNTH = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=s))(
-      q_BNTH, k_BKSH, v_BKSH, segments
-    )
+
+    def run(q_BNTH, k_BKSH, v_BKSH, seg_BT):
+      segments = splash.SegmentIds(q=seg_BT, kv=seg_BT)
+      return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=s))(
+        q_BNTH, k_BKSH, v_BKSH, segments
+      )
+
+    out_BNTH = vma.per_device(run)(q_BNTH, k_BKSH, v_BKSH, seg_BT)
   return out_BNTH.transpose(0, 2, 1, 3)[:, :T]

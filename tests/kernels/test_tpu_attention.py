@@ -1,6 +1,13 @@
 """The TPU splash-attention wrapper: values and gradients against the pure-jnp reference
-(`common.nn.attention.attend`) in Pallas TPU interpret mode on CPU, and forward + backward
+(`common.nn.attention.attend`) in Pallas TPU interpret mode on CPU, the same sharded over 4 fake
+CPU devices under the trainer's check_vma shard_map against one device, and forward + backward
 compiled ahead of time for a TPU slice (v5e:2x2, libtpu needed) under `jax.shard_map`."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +75,54 @@ def test_matches_reference_values_and_grads(name, case):
     np.testing.assert_allclose(g, w, atol=2e-4, rtol=2e-4, err_msg=f"{name}: {what}")
 
 
+# Each device's rows and heads through the kernel inside a check_vma shard_map (kernels/vma.py
+# types its outputs and residuals), against the unsharded call: equal only if no cotangent was
+# summed over devices on the way back (the mistake an untyped output invites).
+SHARDED = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from kernels import tpu_attention as tpu
+
+mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 2), ("data", "tensor"))
+B, T, N, K, H = 4, 100, 4, 2, 32
+ks = jax.random.split(jax.random.key(0), 4)
+q = jax.random.normal(ks[0], (B, T, N, H))
+k, v = (jax.random.normal(key, (B, T, K, H)) for key in ks[1:3])
+do = jax.random.normal(ks[3], (B, T, N, H))
+seg = jnp.repeat(jnp.arange(2), T // 2)[None].repeat(B, 0)
+
+def out_and_grads(q, k, v, seg, do):
+  f = lambda q, k, v: tpu.attention(q, k, v, causal=True, window=40, segment_ids_BT=seg)
+  out, vjp = jax.vjp(f, q, k, v)
+  return out, *vjp(do)
+
+rows, heads = P("data"), P("data", None, "tensor")
+sharded = jax.shard_map(out_and_grads, mesh=mesh, in_specs=(heads, heads, heads, rows, heads),
+                        out_specs=(heads,) * 4, check_vma=True)
+got = jax.jit(sharded)(q, k, v, seg, do)
+want = jax.jit(out_and_grads)(q, k, v, seg, do)
+for g, w in zip(got, want, strict=True):
+  np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-6)
+print("equal")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multidevice
+def test_sharded_under_check_vma_equals_one_device():
+  root = pathlib.Path(__file__).resolve().parents[2]
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  proc = subprocess.run(
+    [sys.executable, "-c", textwrap.dedent(SHARDED)],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 0 and "equal" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_unsupported_reasons():
   q, k = jnp.zeros((1, 128, 4, 64)), jnp.zeros((1, 128, 2, 64))
   assert tpu.unsupported_reason(q, k, platform="tpu") is None
@@ -106,7 +161,8 @@ AOT_CASES = [
 @pytest.mark.parametrize("name,case", AOT_CASES, ids=[c[0] for c in AOT_CASES])
 def test_compiles_for_tpu_under_shard_map(tpu_mesh, name, case):
   """Forward and backward, batch split over `data` and heads over `tensor` (each device runs the
-  kernel on its own rows and heads), bf16, lowered and compiled by XLA:TPU."""
+  kernel on its own rows and heads), bf16, lowered and compiled by XLA:TPU, under check_vma as
+  in the trainer's step."""
   case = dict(case)
   B, T, N, K, H = 4, 1024, 8, case.pop("K", 8), 128
   segments = case.pop("segments", False)
@@ -132,7 +188,7 @@ def test_compiles_for_tpu_under_shard_map(tpu_mesh, name, case):
       mesh=tpu_mesh,
       in_specs=(spec, spec, spec, seg_spec),
       out_specs=(spec, spec, spec),
-      check_vma=False,
+      check_vma=True,
     )
   )
   lowered = step.lower(q, kv, kv, seg)
