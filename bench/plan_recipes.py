@@ -17,7 +17,14 @@ import time
 from common import plan
 from common.errors import UserError
 
-RECIPES = ("lm/llama3-8b", "lm/mistral-7b", "lm/llama2-7b", "lm/qwen3-0.6b")
+RECIPES = (
+  "lm/llama3-8b",
+  "lm/mistral-7b",
+  "lm/llama2-7b",
+  "lm/qwen3-0.6b",
+  "lm/mixtral-8x7b",
+  "lm/qwen3-30b-a3b",
+)
 TOPOLOGIES = ("v5p-128", "v6e-64", "v4-128", "v5e-64")  # 64 chips each
 
 

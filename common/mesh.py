@@ -82,6 +82,41 @@ def pick_rule(rules, hardware: str) -> tuple[str, dict] | None:
   return None
 
 
+# 64-chip TPU slices by the hardware name jax's devices give (v5p reports "TPU v5", v5e "TPU v5
+# lite"), and the mesh each one's HBM calls for with a 7-8B model: FSDP over every chip where
+# 95 GiB a chip leaves room, heads split over `tensor` where 32 or 16 GiB do not.
+TPU_SLICES = {
+  "v5p": ("tpu-v5x64", {"mesh.fsdp": 64}),
+  "v4": ("tpu-v4x64", {"mesh.fsdp": 32, "mesh.tensor": 2}),
+  "v6e": ("tpu-v6-litex64", {"mesh.fsdp": 32, "mesh.tensor": 2}),
+  "v5e": ("tpu-v5-litex64", {"mesh.fsdp": 16, "mesh.tensor": 4}),
+}
+
+
+def tpu_rules(**micro_batches: int) -> list[tuple[str, dict]]:
+  """Mesh rules for the 64-chip TPU slices of `TPU_SLICES`, one per generation given
+  (`tpu_rules(v5p=2, v5e=16)`), each with that slice's mesh, `train.micro_batches` as given,
+  splash attention (`attention.impl=flash`: no [T, S] scores), `model.remat=full` and
+  `model.scan`. Size them with `zoo plan` (bench/plan_recipes.py prints the table)."""
+  unknown = sorted(set(micro_batches) - set(TPU_SLICES))
+  if unknown:
+    raise UserError(f"tpu_rules knows no generation {unknown}: it knows {', '.join(TPU_SLICES)}.")
+  return [
+    (
+      name,
+      {
+        **sizes,
+        "model.attention.impl": "flash",
+        "model.remat": "full",
+        "model.scan": True,
+        "train.micro_batches": micro_batches[gen],
+      },
+    )
+    for gen, (name, sizes) in TPU_SLICES.items()
+    if gen in micro_batches
+  ]
+
+
 def config(**sizes) -> ml_collections.ConfigDict:
   """The `mesh` config: a size per axis (1 unless given; -1 = the remaining devices)."""
   unknown = [a for a in sizes if a not in AXES]

@@ -199,6 +199,41 @@ def model_flops(cfg) -> tuple[float, str]:
   return flops, how
 
 
+def _score_pairs(T: int, *, causal: bool, window: int) -> int:
+  """(query, key) pairs a [T, T] attention mask lets through: |t - s| < window (0: any), and
+  s <= t when causal."""
+  t = np.arange(T)
+  back = np.minimum(t, window - 1) if window else t  # keys before each query
+  ahead = 0 if causal else (np.minimum(T - 1 - t, window - 1) if window else T - 1 - t)
+  return int(np.sum(back + ahead + 1))
+
+
+def kernel_flops(cfg) -> tuple[float, str]:
+  """FLOPs of the step that run inside Mosaic kernels, which XLA's cost analysis counts as none:
+  splash attention (`model.attention.impl="flash"` on TPU: kernels/tpu_attention.py) in every
+  layer that uses it. Per (query, key) pair the mask lets through (the kernel skips key blocks
+  its mask rules out; partly masked blocks are counted as their unmasked pairs) and head dim H:
+  4 H for the forward's two matmuls, 14 H for its backward (the dK/dV and dQ kernels each
+  recompute the scores: seven matmuls), 4 H more for the forward that `model.remat=full`
+  recomputes. (0, "") for any other attention."""
+  from common.nn import transformer
+
+  m = cfg.model
+  if "attention" not in m or "num_layers" not in m:
+    return 0.0, ""
+  T, B = sequence(cfg), cfg.train.batch_size
+  per_pair = 4 + 14 + (4 if m.get("remat", "none") == "full" else 0)
+  flops = 0.0
+  for i in range(m.num_layers):
+    layer = transformer.layer_config(m, i)
+    att = layer.attention
+    if att.impl != "flash" or layer.position.kind in ("alibi", "relative"):  # biases: xla
+      continue
+    pairs = _score_pairs(T, causal=att.get("mask") == "causal", window=att.get("window", 0))
+    flops += per_pair * att.head_dim * att.num_heads * pairs * B
+  return flops, ("splash attention, outside XLA's counts" if flops else "")
+
+
 _OOM = re.compile(
   r"required for HLO temporaries \(([\d.]+)([KMGT]?)\).*available HBM \(([\d.]+)([KMGT]?)\)"
 )
@@ -366,6 +401,11 @@ def plan(cfg, topology: str | Topology, *, estimate_time: bool = True) -> dict:
   result["estimate_s"] = time.perf_counter() - start
   result["compiler_flops_per_device"] = cost["flops"]
   result["bytes_accessed_per_device"] = cost["bytes accessed"]
+  # Mosaic kernels are opaque to the cost analysis; their work is spread evenly over the chips
+  # (batch rows over data x fsdp x expert, heads over tensor).
+  extra, what = kernel_flops(cfg)
+  result["kernel_flops_per_device"], result["kernel_flops_how"] = extra / topo.chips, what
+  cost = dict(cost, flops=cost["flops"] + extra / topo.chips)
   # XLA:TPU's own `optimal_seconds` comes out negative for full-size steps (measured: -1.8 s for
   # one Llama 3 8B layer), so the time is a roofline of its counts instead: each device at peak
   # FLOP/s or at full HBM bandwidth, whichever is slower; collectives are not counted.
@@ -437,6 +477,8 @@ def format(result: dict) -> str:  # noqa: A001 (the module's formatter, as `plan
       if "compiler_flops_per_device" in r
       else ""
     )
+    if r.get("kernel_flops_per_device"):
+      compiler += f" + {r['kernel_flops_per_device']:.3g} ({r['kernel_flops_how']})"
     lines.append(
       f"  FLOPs          model {r['model_flops']:.3g}/step ({r['model_flops_how']}){compiler}"
     )

@@ -49,17 +49,8 @@ def get_config(arg=None):
       ("cpu*", {"mesh.fsdp": -1}),
       ("gpu-*h100*x8", {"mesh.fsdp": 8, "model.remat": "save_dots"}),
       ("gpu-*h200*x8", {"mesh.fsdp": 8}),
-      # TPU, 64-chip slices (named as jax reports them: v5p "TPU v5", v5e "TPU v5 lite"), sized
-      # with `zoo plan` (bench/plan_recipes.py). XLA's attention holds [T, S] scores: one row a
-      # device at a time (micro-batches), and heads split over tensor where HBM is small.
-      ("tpu-v5x64", {"mesh.fsdp": 64, "model.remat": "full", "model.scan": True,
-                     "train.micro_batches": 8}),
-      ("tpu-v4x64", {"mesh.fsdp": 32, "mesh.tensor": 2, "model.remat": "full",
-                     "model.scan": True, "train.micro_batches": 16}),
-      ("tpu-v6-litex64", {"mesh.fsdp": 32, "mesh.tensor": 2, "model.remat": "full",
-                          "model.scan": True, "train.micro_batches": 16}),
-      ("tpu-v5-litex64", {"mesh.fsdp": 16, "mesh.tensor": 4, "model.remat": "full",
-                          "model.scan": True, "train.micro_batches": 32}),
+      # TPU, 64-chip slices: micro-batches per generation, sized with `zoo plan`.
+      *mesh.tpu_rules(v5p=2, v4=8, v6e=8, v5e=16),
   ]
 
   if arg == "smoke":

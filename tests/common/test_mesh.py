@@ -92,3 +92,22 @@ def test_zoo_show_says_which_rule_applies_and_why(capsys):
   assert cli.main(["show", "lm/llama3-8b", "--mesh-rule", "tpu-v5x64"]) == 0
   out = capsys.readouterr().out
   assert "# mesh rule: tpu-v5x64 matches 'tpu-v5x64'" in out
+
+
+def test_tpu_rules_name_the_hardware_of_each_64_chip_slice():
+  """Each rule's pattern is the hardware name `zoo plan` (and jax's devices) give that slice,
+  so a recipe's TPU rule is the one a real or planned slice picks."""
+  from common import plan
+
+  rules = dict(mesh.tpu_rules(v5p=2, v4=8, v6e=8, v5e=16))
+  for cloud in ("v5p-128", "v4-128", "v6e-64", "v5e-64"):
+    topology = plan.parse_topology(cloud)
+    name, overrides = mesh.pick_rule(list(rules.items()), topology.hardware)
+    assert name == topology.hardware and topology.chips == 64
+    assert mesh.resolve(
+      ml_collections.ConfigDict({a: overrides.get(f"mesh.{a}", 1) for a in mesh.AXES}), 64
+    )
+    assert overrides["model.attention.impl"] == "flash"
+  assert [n for n, _ in mesh.tpu_rules(v5e=4)] == ["tpu-v5-litex64"]
+  with pytest.raises(UserError, match="v7"):
+    mesh.tpu_rules(v7=1)

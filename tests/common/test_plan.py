@@ -1,6 +1,7 @@
 """`zoo plan`: topology names, the levers it names, and the real train step compiled ahead of time
 for TPU slices on this CPU (libtpu needed for those; skipped without it)."""
 
+import copy
 import importlib.util
 
 import pytest
@@ -90,6 +91,38 @@ def test_model_flops_is_6_params_tokens_plus_attention():
   matmul_params = models.num_params(m) - m.vocab_size * m.dim  # the input table is a gather
   att = 12 * m.num_layers * m.attention.num_heads * m.attention.head_dim * cfg.data.seq_len
   assert plan.model_flops(cfg)[0] == pytest.approx(6 * matmul_params * tokens + att * tokens)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [0, 1, 5, 40])
+def test_score_pairs_count_what_the_attention_mask_lets_through(causal, window):
+  import jax.numpy as jnp
+
+  from common.nn import attention
+
+  T = 37
+  idx, seg = jnp.arange(T), jnp.ones((1, T), jnp.int32)
+  mask = attention.make_mask(idx, idx, seg, seg, causal=causal, window=window)
+  assert plan._score_pairs(T, causal=causal, window=window) == int(jnp.sum(mask))
+
+
+def test_kernel_flops_count_splash_attention_only_where_it_runs():
+  """XLA's cost analysis sees nothing inside a Mosaic kernel: the plan adds splash attention's
+  matmuls by count, for flash layers only (Gemma 2's sliding layers fewer, rematerialised more)."""
+  cfg = plan.config("lm/llama3-8b:smoke", "v5e-4")
+  assert plan.kernel_flops(cfg)[0] == 0.0  # impl=xla: XLA counts it
+  cfg.model.attention.impl = "flash"
+  flops, how = plan.kernel_flops(cfg)
+  m, T, B = cfg.model, cfg.data.seq_len, cfg.train.batch_size
+  pairs = T * (T + 1) // 2
+  assert flops == 18 * m.attention.head_dim * m.attention.num_heads * pairs * B * m.num_layers
+  assert "splash" in how
+  cfg.model.remat = "full"
+  assert plan.kernel_flops(cfg)[0] == flops * 22 / 18
+  gemma = plan.config("lm/gemma2-2b:smoke", "v5e-4", {"model.attention.impl": "flash"})
+  full = copy.deepcopy(gemma)
+  full.model.layer_kinds.sliding.attention.window = 0
+  assert 0 < plan.kernel_flops(gemma)[0] < plan.kernel_flops(full)[0]
 
 
 def test_oom_message_is_read():
