@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from train_vs_torch import zoo_step  # noqa: E402  (the trainer's step, as the dense bench)
+from train_vs_torch import matmul_peak, step_flops, zoo_step  # noqa: E402  (as the dense bench)
 
 from common import experiments, hub, models  # noqa: E402
 from common.hub import hf  # noqa: E402
@@ -140,7 +140,8 @@ def main():
   dense = {k: v for k, v in OVERRIDES.items() if k != "model.mlp.num_experts"}
   dense["model.mlp.kind"] = "dense"
   dense["model.mlp.hidden_dim"] = str(cfg.model.mlp.top_k * cfg.model.mlp.hidden_dim)
-  _, runners["zoo dense k*F"] = zoo_runner(experiments.get_config("lm/shakespeare-moe", dense))
+  dense_cfg = experiments.get_config("lm/shakespeare-moe", dense)
+  _, runners["zoo dense k*F"] = zoo_runner(dense_cfg)
   for name, compile_ in [("torch eager", False)] + (
     [] if args.no_compile else [("torch.compile", True)]
   ):
@@ -173,6 +174,18 @@ def main():
     if other not in ("zoo", "zoo dense k*F"):
       print(f"zoo / {other}: {tps['zoo'] / tps[other]:.2f}x")
   print(f"zoo MoE step / zoo dense k*F step (time): {tps['zoo dense k*F'] / tps['zoo']:.2f}x")
+  # The floor under any implementation: the step's matmul FLOPs (those of the dense model of the
+  # same work per token, MaxText's count as bench/train_vs_torch.py's MFU) at this machine's fp32
+  # matmul peak. A ratio to torch eager above `ceiling` would need matmuls faster than the peak.
+  flops = step_flops(dense_cfg, B, T)
+  peak = matmul_peak()
+  floor = flops / peak
+  ceiling = statistics.median(times["torch eager"]) / floor
+  print(
+    f"floor: {flops / 1e9:.1f} GFLOP a step at the {peak / 1e9:.0f} GFLOP/s fp32 matmul peak = "
+    f"{1e3 * floor:.0f} ms: MFU zoo {floor / statistics.median(times['zoo']):.0%}, torch eager "
+    f"{1 / ceiling:.0%}; no step here beats {ceiling:.2f}x torch eager"
+  )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ and multiplied group by group, by one of three `impl`s:
 - "ragged": `jax.lax.ragged_dot` on the sorted rows (the grouped matmul GPUs and TPUs lower
   well; on XLA:CPU it measured slower than even running every expert on every token);
 - "blocked": each expert's rows padded to a multiple of M, then for each expert a loop over its
-  blocks, one dense [M, D] @ [D, F] matmul each with that expert's weights (megablox's tiling, as
-  plain XLA; at most E blocks of padding);
+  blocks, the whole expert MLP on each block of M rows with that expert's weights (megablox's
+  tiling, as plain XLA, with the MLP fused into the loop body; at most E blocks of padding);
 - "loop": every expert on every token, weighted by its combine weight (0 where not routed); E / k
   times the work, the reference the tests compare against;
 - "auto": "blocked" on CPU (fastest there: 1.32x the time of a dense MLP of the same active
@@ -202,73 +202,118 @@ def _block_rows(A: int, E: int) -> int:
   return min(BLOCK_ROWS, max(8, -(-A // E // 8) * 8))
 
 
-def _expert_dots(x_RI, w_EIO, starts_E, blocks_E, M):
-  """y[rows of expert e] = x[those rows] @ w[e], zeros in the rows no expert owns: a loop over
-  the experts, each slicing its weights once, and inside it a loop over that expert's blocks of
-  M rows, one 2-D [M, I] @ [I, O] matmul each, written in place."""
-  R, O = x_RI.shape[0], w_EIO.shape[2]
-  y_RO = parallel.to_varying(jnp.zeros((R, O), x_RI.dtype), parallel.varying(x_RI, w_EIO, starts_E))
+def _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_E, M, act, keep):
+  """The whole expert MLP, block by block: for expert e's blocks of M rows, h = act(x @ gate
+  + b) * (x @ up + b) (act(x @ up + b) without a gate) and y = h @ down, the [M, F] hidden
+  never leaving the loop body. `keep`: also return the pre-activations (gate, up) [R, F] the
+  backward pass reads (zeros in rows no expert owns)."""
+  R, D = x_RD.shape
+  F = w["up"].shape[2]
+  gated = w["gate"] is not None
+  names = ("gate", "up") if gated else ("up",)
+  varying = parallel.varying(x_RD, starts_E, *(v for v in w.values() if v is not None))
+  zeros = lambda shape, dtype: parallel.to_varying(jnp.zeros(shape, dtype), varying)
+  y_RD = zeros((R, D), x_RD.dtype)
+  kept = {n: zeros((R, F), x_RD.dtype) for n in names} if keep else {}
 
-  def expert(e, y_RO):
-    w_IO = jax.lax.dynamic_index_in_dim(w_EIO, e, keepdims=False)
+  def expert(e, carry):
+    we = {
+      n: None if v is None else jax.lax.dynamic_index_in_dim(v, e, keepdims=False)
+      for n, v in w.items()
+    }
 
-    def block(i, y_RO):
+    def block(i, carry):
+      y_RD, kept = carry
       r = starts_E[e] + i * M
-      x_MI = jax.lax.dynamic_slice_in_dim(x_RI, r, M)
-      return jax.lax.dynamic_update_slice_in_dim(y_RO, jnp.dot(x_MI, w_IO), r, 0)
+      x_MD = jax.lax.dynamic_slice_in_dim(x_RD, r, M)
+      pre = {}
+      for n in names:
+        pre[n] = jnp.dot(x_MD, we[n])
+        if we[f"{n}_bias"] is not None:
+          pre[n] = pre[n] + we[f"{n}_bias"]
+      h_MF = act(pre["gate"]) * pre["up"] if gated else act(pre["up"])
+      y_RD = jax.lax.dynamic_update_slice_in_dim(y_RD, jnp.dot(h_MF, we["down"]), r, 0)
+      kept = {n: jax.lax.dynamic_update_slice_in_dim(kept[n], pre[n], r, 0) for n in kept}
+      return y_RD, kept
 
-    return jax.lax.fori_loop(0, blocks_E[e], block, y_RO)
+    return jax.lax.fori_loop(0, blocks_E[e], block, carry)
 
-  return jax.lax.fori_loop(0, w_EIO.shape[0], expert, y_RO)
+  return jax.lax.fori_loop(0, blocks_E.shape[0], expert, (y_RD, kept))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _gmm(x_RI, w_EIO, starts_E, blocks_E, M):
-  """The grouped matmul of the blocked impl: expert e's blocks_E[e] blocks of M rows, from row
-  starts_E[e], times w[e] (`_expert_dots`).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _expert_mlp(x_RD, w, starts_E, blocks_E, M, act):
+  """The blocked impl's expert MLP in one pass (`_expert_mlp_fwd_loops`): x [R, D] sorted and
+  padded by expert, `w` the experts' gate/up/down weights and gate/up biases (or None).
 
+  One loop over the experts and their blocks for the whole MLP, not one grouped matmul per
+  weight with the activation between them over all R rows: a block's [M, F] hidden is computed,
+  activated and multiplied down while it is in cache, and each expert's weights are sliced once.
   A custom VJP because autodiff of the loops would add each block's weight gradient into a fresh
-  zero [E, I, O] array (E times the traffic); here the same loops compute each block's input
-  gradient and add its weight gradient into one fp32 [I, O] accumulator per expert (megablox's
-  gmm and tgmm in one pass). Looping over experts, then their blocks, instead of over blocks
-  measured 1.32x the dense MLP's time instead of 1.63x (bench/moe_layer.py, 4,096 tokens): each
-  expert's weights are sliced once, not once per block."""
-  return _expert_dots(x_RI, w_EIO, starts_E, blocks_E, M)
+  zero [E, D, F] array (E times the traffic); here the backward pass reads back the
+  pre-activations the forward kept and computes each block's input gradient and weight
+  gradients in the same loops, each expert's summed in one fp32 accumulator (megablox's gmm and
+  tgmm in one pass)."""
+  return _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_E, M, act, keep=False)[0]
 
 
-def _gmm_fwd(x_RI, w_EIO, starts_E, blocks_E, M):
-  return _gmm(x_RI, w_EIO, starts_E, blocks_E, M), (x_RI, w_EIO, starts_E, blocks_E)
+def _expert_mlp_fwd(x_RD, w, starts_E, blocks_E, M, act):
+  y_RD, kept = _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_E, M, act, keep=True)
+  return y_RD, (x_RD, w, starts_E, blocks_E, kept)
 
 
-def _gmm_bwd(M, res, g_RO):
-  x_RI, w_EIO, starts_E, blocks_E = res
-  varying = parallel.varying(x_RI, g_RO, w_EIO, starts_E)
+def _expert_mlp_bwd(M, act, res, g_RD):
+  x_RD, w, starts_E, blocks_E, kept = res
+  gated = w["gate"] is not None
+  names = ("gate", "up") if gated else ("up",)
+  present = {n: v for n, v in w.items() if v is not None}
+  varying = parallel.varying(x_RD, g_RD, starts_E, *present.values())
   zeros = lambda shape, dtype: parallel.to_varying(jnp.zeros(shape, dtype), varying)
 
   def expert(e, carry):
-    dx_RI, dw_EIO = carry
-    w_IO = jax.lax.dynamic_index_in_dim(w_EIO, e, keepdims=False)
+    dx_RD, dw = carry
+    we = {n: jax.lax.dynamic_index_in_dim(v, e, keepdims=False) for n, v in present.items()}
 
     def block(i, carry):
-      dx_RI, dw_IO = carry
+      dx_RD, dwe = carry
       r = starts_E[e] + i * M
-      x_MI = jax.lax.dynamic_slice_in_dim(x_RI, r, M)
-      g_MO = jax.lax.dynamic_slice_in_dim(g_RO, r, M)
-      dw_IO = dw_IO + jnp.dot(x_MI.T, g_MO, preferred_element_type=jnp.float32)
-      dx_MI = jnp.dot(g_MO, w_IO.T).astype(dx_RI.dtype)
-      return jax.lax.dynamic_update_slice_in_dim(dx_RI, dx_MI, r, 0), dw_IO
+      x_MD = jax.lax.dynamic_slice_in_dim(x_RD, r, M)
+      g_MD = jax.lax.dynamic_slice_in_dim(g_RD, r, M)
+      pre = {n: jax.lax.dynamic_slice_in_dim(kept[n], r, M) for n in names}
+      if gated:
+        a_MF, act_vjp = jax.vjp(act, pre["gate"])
+        h_MF = a_MF * pre["up"]
+      else:
+        h_MF, act_vjp = jax.vjp(act, pre["up"])
+      f32 = dict(preferred_element_type=jnp.float32)
+      dwe = dict(dwe, down=dwe["down"] + jnp.dot(h_MF.T, g_MD, **f32))
+      dh_MF = jnp.dot(g_MD, we["down"].T)
+      if gated:
+        dpre = {"up": dh_MF * a_MF, "gate": act_vjp(dh_MF * pre["up"])[0]}
+      else:
+        dpre = {"up": act_vjp(dh_MF)[0]}
+      dx_MD = sum(jnp.dot(dpre[n], we[n].T) for n in names).astype(dx_RD.dtype)
+      for n in names:
+        dwe[n] = dwe[n] + jnp.dot(x_MD.T, dpre[n], **f32)
+        if f"{n}_bias" in dwe:
+          dwe[f"{n}_bias"] = dwe[f"{n}_bias"] + jnp.sum(dpre[n].astype(jnp.float32), axis=0)
+      return jax.lax.dynamic_update_slice_in_dim(dx_RD, dx_MD, r, 0), dwe
 
-    dw_IO = zeros(w_IO.shape, jnp.float32)
-    dx_RI, dw_IO = jax.lax.fori_loop(0, blocks_E[e], block, (dx_RI, dw_IO))
-    return dx_RI, jax.lax.dynamic_update_index_in_dim(dw_EIO, dw_IO, e, 0)
+    dwe = {n: zeros(v.shape, jnp.float32) for n, v in we.items() if n != "down_bias"}
+    dx_RD, dwe = jax.lax.fori_loop(0, blocks_E[e], block, (dx_RD, dwe))
+    dw = {n: jax.lax.dynamic_update_index_in_dim(dw[n], dwe[n], e, 0) for n in dw}
+    return dx_RD, dw
 
-  init = (zeros(x_RI.shape, x_RI.dtype), zeros(w_EIO.shape, jnp.float32))
-  dx_RI, dw_EIO = jax.lax.fori_loop(0, w_EIO.shape[0], expert, init)
-  dx_RI = parallel.sum_to(dx_RI, parallel.varying(x_RI))
-  return dx_RI, parallel.sum_to(dw_EIO.astype(w_EIO.dtype), parallel.varying(w_EIO)), None, None
+  dw = {n: zeros(v.shape, jnp.float32) for n, v in present.items() if n != "down_bias"}
+  dx_RD, dw = jax.lax.fori_loop(0, blocks_E.shape[0], expert, (zeros(x_RD.shape, x_RD.dtype), dw))
+  dw_out = {
+    n: None if n not in dw else parallel.sum_to(dw[n].astype(v.dtype), parallel.varying(v))
+    for n, v in w.items()
+  }
+  return parallel.sum_to(dx_RD, parallel.varying(x_RD)), dw_out, None, None
 
 
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+_expert_mlp.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)
 
 
 def _all_experts(w_E___):
@@ -495,17 +540,8 @@ class MoE(nnx.Module):
     # hold only zeros and are computed by none.
     starts_E = (jnp.cumsum(padded_E) - padded_E).astype(jnp.int32)
     blocks_E = (padded_E // M).astype(jnp.int32)
-
-    def dot(x, W, b):
-      y = _gmm(x, W, starts_E, blocks_E, M)
-      if b is None:
-        return y
-      expert_R = jnp.searchsorted(starts_E + padded_E, jnp.arange(x.shape[0]), side="right")
-      return y + jnp.take(b, expert_R, axis=0, mode="fill", fill_value=0)
-
-    u = dot(xs_RD, w["up"], w["up_bias"])
-    h = self.act(u) if w["gate"] is None else self.act(dot(xs_RD, w["gate"], w["gate_bias"])) * u
-    return _gmm(h, w["down"], starts_E, blocks_E, M)
+    mlp_w = {n: w[n] for n in ("gate", "up", "down", "gate_bias", "up_bias")}
+    return _expert_mlp(xs_RD, mlp_w, starts_E, blocks_E, M, self.act)
 
   def _add_aux_losses(self, logits_NE, probs_NE, experts_Nk, mask_N):
     E = self.num_experts
