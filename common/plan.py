@@ -177,20 +177,21 @@ def sequence(cfg) -> int:
 
 
 def model_flops(cfg) -> tuple[float, str]:
-  """Training FLOPs of one step by the usual count (PaLM, appendix B): 6 per parameter per token
-  for the matmuls (forward + backward; the input embedding table is a gather, not counted
-  unless tied to the output head) and 12 * layers * heads * head_dim * context per token for
+  """Training FLOPs of one step by the usual count (PaLM, appendix B): 6 per parameter a token
+  computes with per token for the matmuls (forward + backward; an MoE layer's experts count
+  top_k / num_experts of their size; the input embedding table is a gather, not counted unless
+  tied to the output head) and 12 * layers * heads * head_dim * context per token for
   attention's two matmuls, with the full (not causally halved) context, capped by a window.
   Rematerialisation is not counted: this is the model's work, not the hardware's."""
   from common import models
 
   m = cfg.model
-  params = models.num_params(m)
+  params = models.num_active_params(m)
   if "vocab_size" in m and "dim" in m and not m.get("tie_embeddings", False):
     params -= m.vocab_size * m.dim
   tokens = cfg.train.batch_size * sequence(cfg)
   flops = 6.0 * params * tokens
-  how = f"6 x {params:.3g} params x {tokens:,} tokens"
+  how = f"6 x {params:.3g} active params x {tokens:,} tokens"
   att = m.get("attention")
   if att is not None and "num_layers" in m:
     context = min(sequence(cfg), att.window) if att.get("window", 0) else sequence(cfg)

@@ -125,6 +125,17 @@ def test_kernel_flops_count_splash_attention_only_where_it_runs():
   assert 0 < plan.kernel_flops(gemma)[0] < plan.kernel_flops(full)[0]
 
 
+def test_model_flops_of_a_mixture_of_experts_count_the_active_parameters():
+  """Mixtral 8x7B computes with 12.9 B of its 46.7 B parameters a token (transformers' counts)."""
+  from common import experiments
+
+  cfg = experiments.get_config("lm/mixtral-8x7b")
+  m, tokens = cfg.model, cfg.train.batch_size * cfg.data.seq_len
+  active = 12_879_925_248 - m.vocab_size * m.dim
+  att = 12 * m.num_layers * m.attention.num_heads * m.attention.head_dim * cfg.data.seq_len
+  assert plan.model_flops(cfg)[0] == pytest.approx(6 * active * tokens + att * tokens)
+
+
 def test_oom_message_is_read():
   text = (
     "RESOURCE_EXHAUSTED: ... required for HLO temporaries (147.03G) exceeds available HBM (95.74G)."
