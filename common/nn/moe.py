@@ -24,8 +24,8 @@ and multiplied group by group, by one of three `impl`s:
 - "auto": "blocked" on CPU (fastest there: 1.21x the time of a dense MLP of the same active
   size at 4,096 tokens, forward and backward, against 1.52x for three separate grouped matmuls
   measured side by side on a busy 2-core machine; ragged_dot 7-9x: bench/moe_layer.py),
-  "ragged" elsewhere (not measured here: no GPU). It reads the default backend, so `zoo plan`
-  from a CPU host compiles the blocked loop for a TPU slice too.
+  "ragged" elsewhere (not measured here: no GPU), by the platform compiled for (a TPU slice's
+  under `zoo plan`, though the host is a CPU).
 
 `capacity_factor > 0` turns on token dropping (Switch / GShard): expert e keeps the first
 C = ceil(capacity_factor * A / E) assignments routed to it, in token order (batch-major, then
@@ -72,6 +72,7 @@ from common import parallel
 from common.errors import UserError, suggest
 from common.nn import aux, mlp
 from common.nn.linear import Linear, normal
+from kernels import tpu_attention
 
 ROUTERS = ("softmax_topk",)
 IMPLS = ("auto", "ragged", "blocked", "loop")
@@ -148,10 +149,12 @@ def expert_shards() -> int:
 
 
 def resolve_impl(impl: str) -> str:
+  """`impl`, with "auto" resolved for the platform the code being traced compiles for (a TPU
+  slice's under `zoo plan`, though this host is a CPU)."""
   if impl not in IMPLS:
     raise UserError(f"Unknown moe impl {impl!r}.{suggest(impl, IMPLS)}")
   if impl == "auto":
-    return "blocked" if jax.default_backend() == "cpu" else "ragged"
+    return "blocked" if tpu_attention.target_platform() == "cpu" else "ragged"
   return impl
 
 
@@ -351,7 +354,8 @@ class MoE(nnx.Module):
     if cfg.capacity_factor < 0:
       raise UserError(f"moe capacity_factor={cfg.capacity_factor} must be >= 0 (0 = dropless).")
     self.act = mlp.activation(cfg.activation)
-    self.impl = resolve_impl(cfg.impl)
+    resolve_impl(cfg.impl)  # refuse an unknown one now
+    self._impl = cfg.impl
     self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
     self.norm_topk_prob, self.capacity_factor = cfg.norm_topk_prob, cfg.capacity_factor
     self.aux_coef, self.z_coef = cfg.aux_coef, cfg.z_coef
@@ -382,6 +386,11 @@ class MoE(nnx.Module):
       mlp.MLP(shared_cfg, dim, out_init_std=out_init_std, **dt) if cfg.shared_hidden_dim else None
     )
     self.shared_gate = Linear(dim, 1, axes=("D", None), **dt) if cfg.shared_gate else None
+
+  @property
+  def impl(self) -> str:
+    """The impl that runs, resolved when traced (for the platform being compiled for)."""
+    return resolve_impl(self._impl)
 
   def __call__(self, x_BTD: jax.Array, *, mask_BT: jax.Array | None = None) -> jax.Array:
     B, T, D = x_BTD.shape

@@ -186,6 +186,19 @@ def test_memory_grows_with_the_model_and_shrinks_with_fsdp(topology):
 
 
 @libtpu
+def test_moe_auto_impl_is_chosen_for_the_slice_not_this_host():
+  import jax
+  import numpy as np
+
+  from common.nn import moe
+
+  assert moe.resolve_impl("auto") == "blocked"  # this CPU
+  devices = plan.devices(plan.parse_topology("v5e:2x2"))
+  with jax.set_mesh(jax.sharding.Mesh(np.asarray(devices), ("data",))):
+    assert moe.resolve_impl("auto") == "ragged"
+
+
+@libtpu
 @pytest.mark.slow
 def test_plan_cli_reports_memory_time_and_mfu(capsys):
   argv = ["plan", "lm/llama3-8b:smoke", "--topology", "v5e-4", "--config.mesh.fsdp=4"]
