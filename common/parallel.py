@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from common.errors import UserError
 from common.mesh import AXES
+from kernels import vma
 
 # Logical axis -> mesh axis. 1-D parameters named D (norm scales, output biases) stay
 # replicated on purpose: they are a few KB and every device needs them whole.
@@ -205,26 +206,6 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 
 
 # Varying-axis types by hand, for custom VJPs under shard_map(check_vma=True) (the chunked loss,
-# the MoE grouped matmul): what autodiff does for the implicit broadcasts, done explicitly.
-
-
-def varying(*xs) -> frozenset:
-  """The mesh axes any of `xs` varies over inside shard_map (empty outside)."""
-  out = frozenset()
-  for x in xs:
-    aval = jax.typeof(x)
-    out |= frozenset(getattr(aval, "vma", None) or aval.mat.varying)
-  return out
-
-
-def to_varying(x, axes: frozenset):
-  """`x` cast to vary over `axes` too (a value that starts a sum of varying terms)."""
-  missing = tuple(sorted(axes - varying(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def sum_to(ct, axes: frozenset):
-  """A cotangent summed over the axes its primal did not vary over (autodiff's transpose of
-  the implicit broadcast, done by hand in a custom VJP)."""
-  extra = tuple(sorted(varying(ct) - axes))
-  return jax.lax.psum(ct, extra) if extra else ct
+# the MoE grouped matmul, kernels/vma.py): what autodiff does for the implicit broadcasts, done
+# explicitly. Defined beside the kernels, which import nothing of common/.
+varying, to_varying, sum_to = vma.varying, vma.to_varying, vma.sum_to

@@ -22,18 +22,25 @@ import jax
 from jax._src.pallas import core as _pallas_core  # where pallas_call types its outputs (jax 0.10)
 
 
-def _varying(x) -> frozenset:
-  aval = jax.typeof(x)
-  return frozenset(getattr(aval, "vma", None) or aval.mat.varying)
+def varying(*xs) -> frozenset:
+  """The mesh axes any of `xs` varies over inside shard_map (empty outside)."""
+  out = frozenset()
+  for x in xs:
+    aval = jax.typeof(x)
+    out |= frozenset(getattr(aval, "vma", None) or aval.mat.varying)
+  return out
 
 
-def _to_varying(x, axes: frozenset):
-  missing = tuple(sorted(axes - _varying(x)))
+def to_varying(x, axes: frozenset):
+  """`x` cast to vary over `axes` too (a value that starts a sum of varying terms)."""
+  missing = tuple(sorted(axes - varying(x)))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _sum_to(ct, axes: frozenset):
-  extra = tuple(sorted(_varying(ct) - axes))
+def sum_to(ct, axes: frozenset):
+  """A cotangent summed over the axes its primal did not vary over (autodiff's transpose of
+  the implicit broadcast, done by hand in a custom VJP)."""
+  extra = tuple(sorted(varying(ct) - axes))
   return jax.lax.psum(ct, extra) if extra else ct
 
 
@@ -62,8 +69,8 @@ def per_device(f):
   and backward; integer inputs get no cotangent."""
 
   def cast(args):
-    axes = frozenset().union(*map(_varying, args))
-    return tuple(_to_varying(a, axes) for a in args)
+    axes = varying(*args)
+    return tuple(to_varying(a, axes) for a in args)
 
   @jax.custom_vjp
   def call(*args):
@@ -82,7 +89,7 @@ def per_device(f):
     with _outputs_typed_as(jax.tree.leaves(ct)[0]):  # varies as the outputs do
       cts = back(ct)
     return tuple(
-      _sum_to(c, _varying(a)) if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) else None
+      sum_to(c, varying(a)) if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) else None
       for c, a in zip(cts, args, strict=True)
     )
 
