@@ -542,3 +542,55 @@ def test_cross_attention_matches_reference(kw):
   if attn.o.bias is not None:
     want = want + np.asarray(attn.o.bias[...])
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# attend_in_blocks: blocks of queries against the keys the rules let them see
+
+
+@pytest.mark.parametrize(
+  "causal,window,N,K,segments,bias,softcap",
+  [
+    (True, 0, 4, 2, False, False, 0.0),
+    (True, 5, 4, 1, True, False, 0.0),
+    (False, 6, 4, 4, False, True, 0.0),
+    (True, 0, 6, 3, True, True, 3.0),
+    (False, 0, 4, 2, False, False, 0.0),
+  ],
+  ids=["causal-gqa", "causal-window-mqa-segments", "bidir-window-bias", "all", "bidir"],
+)
+def test_attend_in_blocks_equals_attend(monkeypatch, causal, window, N, K, segments, bias, softcap):
+  """Values and gradients, with 4-row query blocks over T = 19 (a ragged last block)."""
+  monkeypatch.setattr(attention, "QUERY_BLOCK", 4)
+  B, T, H = 2, 19, 8
+  q, k, v = randn(10, (B, T, N, H), 2.0), randn(11, (B, T, K, H), 2.0), randn(12, (B, T, K, H))
+  seg = np.ones((B, T), np.int32)
+  if segments:
+    seg[:, 11:] = 2
+  mask = jnp.asarray(np_mask(range(T), range(T), seg, seg, causal=causal, window=window))
+  b = randn(13, (B, N, T, T)) if bias else None
+  kw = dict(mask_BTS=mask, bias_BNTS=b, softcap=softcap)
+
+  def loss(f, **more):
+    return lambda q, k, v: jnp.sum(f(q, k, v, **kw, **more) * jnp.arange(H))
+
+  blocked = loss(attention.attend_in_blocks, causal=causal, window=window)
+  want, got = loss(attention.attend)(q, k, v), blocked(q, k, v)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for g, w in zip(
+    jax.grad(blocked, (0, 1, 2))(q, k, v),
+    jax.grad(loss(attention.attend), (0, 1, 2))(q, k, v),
+    strict=True,
+  ):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal,window", [(True, 0), (True, 7), (False, 7), (False, 0)])
+def test_key_range_holds_every_key_the_mask_allows(causal, window):
+  T = 40
+  seg = np.ones((1, T), np.int32)
+  mask = np_mask(range(T), range(T), seg, seg, causal=causal, window=window)[0]
+  for t0, t1 in [(0, 8), (8, 16), (24, 40), (13, 14)]:
+    lo, hi = attention.key_range(t0, t1, T, causal=causal, window=window)
+    assert not mask[t0:t1, :lo].any() and not mask[t0:t1, hi:].any()
+    assert mask[t0:t1, lo].any() and mask[t0:t1, hi - 1].any()  # and no wider
