@@ -12,20 +12,22 @@ pairs), R rows of the expert-sorted buffer, in blocks of M rows (the blocked imp
 Routing is token choice and dropless by default: every token reaches its k experts, so the
 result never depends on how the batch is split. The experts' matmuls cost what each token's own
 experts cost, never a dense [tokens, experts, hidden] product: assignments are sorted by expert
-and multiplied group by group, by one of three `impl`s:
+and multiplied group by group, by one of four `impl`s:
 
-- "ragged": `jax.lax.ragged_dot` on the sorted rows (the grouped matmul GPUs and TPUs lower
-  well; on XLA:CPU it measured slower than even running every expert on every token);
-- "blocked": each expert's rows padded to a multiple of M, then for each expert a loop over its
-  blocks, the whole expert MLP on each block of M rows with that expert's weights (megablox's
-  tiling, as plain XLA, with the MLP fused into the loop body; at most E blocks of padding);
+- "gmm": megablox's grouped-matmul Pallas kernels (kernels/tpu_gmm.py): what TPUs run (in
+  Pallas interpret mode on a CPU, for the tests);
+- "ragged": `jax.lax.ragged_dot` on the sorted rows (the grouped matmul GPUs lower well; on TPU
+  its weight gradient compiles to a dense matmul over all E experts, E times the work; on XLA:CPU
+  it measured slower than even running every expert on every token);
+- "blocked": each expert's rows padded to a multiple of the smallest block size, then for each
+  expert loops over its blocks, largest blocks first (`BLOCK_ROWS`), the whole expert MLP on each
+  block with that expert's weights (megablox's tiling, as plain XLA, with the MLP fused into the
+  loop body);
 - "loop": every expert on every token, weighted by its combine weight (0 where not routed); E / k
   times the work, the reference the tests compare against;
-- "auto": "blocked" on CPU (fastest there: 1.21x the time of a dense MLP of the same active
-  size at 4,096 tokens, forward and backward, against 1.52x for three separate grouped matmuls
-  measured side by side on a busy 2-core machine; ragged_dot 7-9x: bench/moe_layer.py),
-  "ragged" elsewhere (not measured here: no GPU), by the platform compiled for (a TPU slice's
-  under `zoo plan`, though the host is a CPU).
+- "auto": by the platform compiled for (a TPU slice's under `zoo plan`, though the host is a
+  CPU): "blocked" on CPU (fastest there; bench/moe_layer.py: ragged_dot 7-9x the time of a
+  dense MLP of the same active size), "gmm" on TPU, "ragged" elsewhere (GPU: not measured here).
 
 `capacity_factor > 0` turns on token dropping (Switch / GShard): expert e keeps the first
 C = ceil(capacity_factor * A / E) assignments routed to it, in token order (batch-major, then
@@ -72,13 +74,15 @@ from common import parallel
 from common.errors import UserError, suggest
 from common.nn import aux, mlp
 from common.nn.linear import Linear, normal
-from kernels import tpu_attention
+from kernels import tpu_attention, tpu_gmm
 
 ROUTERS = ("softmax_topk",)
-IMPLS = ("auto", "ragged", "blocked", "loop")
-# Rows per block of the blocked impl: large enough that each matmul runs near the speed of a big
-# one on XLA:CPU, small enough that the at most E blocks of padding stay cheap.
-BLOCK_ROWS = 128
+IMPLS = ("auto", "gmm", "ragged", "blocked", "loop")
+# Rows per block of the blocked impl, largest first: each expert's rows run in as many blocks of
+# the largest size as they fill, the rest in blocks of the next, and so on, padded only to a
+# multiple of the smallest. Large blocks run their matmuls near the speed of one big matmul on
+# XLA:CPU; the small last ones keep the padding (at most E of them) cheap.
+BLOCK_ROWS = (512, 128, 32)
 
 
 def config(
@@ -154,7 +158,7 @@ def resolve_impl(impl: str) -> str:
   if impl not in IMPLS:
     raise UserError(f"Unknown moe impl {impl!r}.{suggest(impl, IMPLS)}")
   if impl == "auto":
-    return "blocked" if tpu_attention.target_platform() == "cpu" else "ragged"
+    return {"cpu": "blocked", "tpu": "gmm"}.get(tpu_attention.target_platform(), "ragged")
   return impl
 
 
@@ -202,16 +206,38 @@ def _sort_by_expert(experts_A: jax.Array, E: int):
   return order_A, sizes_E, rank_A
 
 
-def _block_rows(A: int, E: int) -> int:
-  """M: BLOCK_ROWS, or less when a small batch would be mostly padding."""
-  return min(BLOCK_ROWS, max(8, -(-A // E // 8) * 8))
+def _block_rows(A: int, E: int) -> tuple[int, ...]:
+  """The block sizes, largest first: BLOCK_ROWS, those no expert's A / E rows could fill
+  dropped, and the smallest no larger than that mean (at least 8)."""
+  mean = max(8, -(-A // E // 8) * 8)
+  return tuple(m for m in BLOCK_ROWS if m <= mean) or (mean,)
 
 
-def _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_E, M, act, keep):
-  """The whole expert MLP, block by block: for expert e's blocks of M rows, h = act(x @ gate
-  + b) * (x @ up + b) (act(x @ up + b) without a gate) and y = h @ down, the [M, F] hidden
-  never leaving the loop body. `keep`: also return the pre-activations (gate, up) [R, F] the
-  backward pass reads (zeros in rows no expert owns)."""
+def _blocks_per_size(padded_E, Ms):
+  """[len(Ms), E]: how many blocks of each size cover each expert's padded rows, largest
+  first (padded_E a multiple of the smallest)."""
+  counts = []
+  for M in Ms:
+    counts.append(padded_E // M)
+    padded_E = padded_E - counts[-1] * M
+  return jnp.stack(counts).astype(jnp.int32)
+
+
+def _over_blocks(e, starts_E, blocks_LE, Ms, block, carry):
+  """carry through block(r, M, carry) for each block of expert e's rows, [r, r + M), in order."""
+  r0 = starts_E[e]
+  for level, M in enumerate(Ms):
+    count = blocks_LE[level, e]
+    carry = jax.lax.fori_loop(0, count, lambda i, c, M=M, r0=r0: block(r0 + i * M, M, c), carry)
+    r0 = r0 + count * M
+  return carry
+
+
+def _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_LE, Ms, act, keep):
+  """The whole expert MLP, block by block: for each block of M rows of expert e
+  (`_over_blocks`), h = act(x @ gate + b) * (x @ up + b) (act(x @ up + b) without a gate) and
+  y = h @ down, the [M, F] hidden never leaving the loop body. `keep`: also return the
+  pre-activations (gate, up) [R, F] the backward pass reads (zeros in rows no expert owns)."""
   R, D = x_RD.shape
   F = w["up"].shape[2]
   gated = w["gate"] is not None
@@ -227,9 +253,8 @@ def _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_E, M, act, keep):
       for n, v in w.items()
     }
 
-    def block(i, carry):
+    def block(r, M, carry):
       y_RD, kept = carry
-      r = starts_E[e] + i * M
       x_MD = jax.lax.dynamic_slice_in_dim(x_RD, r, M)
       pre = {}
       for n in names:
@@ -241,13 +266,13 @@ def _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_E, M, act, keep):
       kept = {n: jax.lax.dynamic_update_slice_in_dim(kept[n], pre[n], r, 0) for n in kept}
       return y_RD, kept
 
-    return jax.lax.fori_loop(0, blocks_E[e], block, carry)
+    return _over_blocks(e, starts_E, blocks_LE, Ms, block, carry)
 
-  return jax.lax.fori_loop(0, blocks_E.shape[0], expert, (y_RD, kept))
+  return jax.lax.fori_loop(0, starts_E.shape[0], expert, (y_RD, kept))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _expert_mlp(x_RD, w, starts_E, blocks_E, M, act):
+def _expert_mlp(x_RD, w, starts_E, blocks_LE, Ms, act):
   """The blocked impl's expert MLP in one pass (`_expert_mlp_fwd_loops`): x [R, D] sorted and
   padded by expert, `w` the experts' gate/up/down weights and gate/up biases (or None).
 
@@ -259,16 +284,16 @@ def _expert_mlp(x_RD, w, starts_E, blocks_E, M, act):
   pre-activations the forward kept and computes each block's input gradient and weight
   gradients in the same loops, each expert's summed in one fp32 accumulator (megablox's gmm and
   tgmm in one pass)."""
-  return _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_E, M, act, keep=False)[0]
+  return _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_LE, Ms, act, keep=False)[0]
 
 
-def _expert_mlp_fwd(x_RD, w, starts_E, blocks_E, M, act):
-  y_RD, kept = _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_E, M, act, keep=True)
-  return y_RD, (x_RD, w, starts_E, blocks_E, kept)
+def _expert_mlp_fwd(x_RD, w, starts_E, blocks_LE, Ms, act):
+  y_RD, kept = _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_LE, Ms, act, keep=True)
+  return y_RD, (x_RD, w, starts_E, blocks_LE, kept)
 
 
-def _expert_mlp_bwd(M, act, res, g_RD):
-  x_RD, w, starts_E, blocks_E, kept = res
+def _expert_mlp_bwd(Ms, act, res, g_RD):
+  x_RD, w, starts_E, blocks_LE, kept = res
   gated = w["gate"] is not None
   names = ("gate", "up") if gated else ("up",)
   present = {n: v for n, v in w.items() if v is not None}
@@ -279,9 +304,8 @@ def _expert_mlp_bwd(M, act, res, g_RD):
     dx_RD, dw = carry
     we = {n: jax.lax.dynamic_index_in_dim(v, e, keepdims=False) for n, v in present.items()}
 
-    def block(i, carry):
+    def block(r, M, carry):
       dx_RD, dwe = carry
-      r = starts_E[e] + i * M
       x_MD = jax.lax.dynamic_slice_in_dim(x_RD, r, M)
       g_MD = jax.lax.dynamic_slice_in_dim(g_RD, r, M)
       pre = {n: jax.lax.dynamic_slice_in_dim(kept[n], r, M) for n in names}
@@ -305,12 +329,12 @@ def _expert_mlp_bwd(M, act, res, g_RD):
       return jax.lax.dynamic_update_slice_in_dim(dx_RD, dx_MD, r, 0), dwe
 
     dwe = {n: zeros(v.shape, jnp.float32) for n, v in we.items() if n != "down_bias"}
-    dx_RD, dwe = jax.lax.fori_loop(0, blocks_E[e], block, (dx_RD, dwe))
+    dx_RD, dwe = _over_blocks(e, starts_E, blocks_LE, Ms, block, (dx_RD, dwe))
     dw = {n: jax.lax.dynamic_update_index_in_dim(dw[n], dwe[n], e, 0) for n in dw}
     return dx_RD, dw
 
   dw = {n: zeros(v.shape, jnp.float32) for n, v in present.items() if n != "down_bias"}
-  dx_RD, dw = jax.lax.fori_loop(0, blocks_E.shape[0], expert, (zeros(x_RD.shape, x_RD.dtype), dw))
+  dx_RD, dw = jax.lax.fori_loop(0, starts_E.shape[0], expert, (zeros(x_RD.shape, x_RD.dtype), dw))
   dw_out = {
     n: None if n not in dw else parallel.sum_to(dw[n].astype(v.dtype), parallel.varying(v))
     for n, v in w.items()
@@ -482,12 +506,13 @@ class MoE(nnx.Module):
     N = x_ND.shape[0]
     A = N * k
     real_A = experts_A < E
-    if self.impl == "ragged":
-      # Padding rows sort last, past every group: ragged_dot gives them zeros.
+    if self.impl in ("ragged", "gmm"):
+      # Padding rows sort last, past every group: both grouped matmuls give them zeros.
       slot_A = jnp.zeros((A,), jnp.int32).at[order_A].set(jnp.arange(A, dtype=jnp.int32))
       src_A = order_A  # the assignment in each row
     else:
-      M = _block_rows(A if rows is None else rows, E)
+      Ms = _block_rows(A if rows is None else rows, E)
+      M = Ms[-1]  # the padding granularity
       padded_E = -(-sizes_E // M) * M
       pstarts_E = jnp.cumsum(padded_E) - padded_E
       G = -(-(A + E * (M - 1)) // M)  # the most blocks any routing can need
@@ -498,10 +523,10 @@ class MoE(nnx.Module):
       src_A = jnp.full((R,), A, jnp.int32).at[slot_A].set(jnp.arange(A, dtype=jnp.int32))
     token_R = jnp.where(src_A < A, src_A // k, N)
     xs_RD = _gather_rows(x_ND, token_R, slot_A.reshape(N, k))
-    if self.impl == "ragged":
-      ys_RD = self._ragged(xs_RD, w, sizes_E, jnp.minimum(experts_A[order_A], E - 1))
+    if self.impl in ("ragged", "gmm"):
+      ys_RD = self._grouped(xs_RD, w, sizes_E, jnp.minimum(experts_A[order_A], E - 1))
     else:
-      ys_RD = self._blocked(xs_RD, w, padded_E, M)
+      ys_RD = self._blocked(xs_RD, w, padded_E, Ms)
     return _gather_rows(ys_RD, slot_A, src_A[:, None])
 
   def _expert_parallel(self, x_ND, w, experts_A, sizes_E, rank_A, weights_Nk, shards):
@@ -537,22 +562,25 @@ class MoE(nnx.Module):
     # A weighted sum over k, not an einsum: XLA:CPU would run that as N tiny batched matmuls.
     return jnp.sum(weights_Nk[..., None] * ys_AD.reshape(N, k, D), axis=1)
 
-  def _ragged(self, xs_AD, w, sizes_E, experts_sorted_A):
+  def _grouped(self, xs_AD, w, sizes_E, experts_sorted_A):
+    """The expert MLP on rows sorted by expert, one grouped matmul per weight: XLA's
+    `ragged_dot` ("ragged") or megablox's TPU kernels ("gmm", kernels/tpu_gmm.py)."""
+    grouped = tpu_gmm.gmm if self.impl == "gmm" else jax.lax.ragged_dot
+
     def dot(x, W, b):
-      y = jax.lax.ragged_dot(x, W, sizes_E)
+      y = grouped(x, W, sizes_E)
       return y if b is None else y + b[experts_sorted_A]
 
     u = dot(xs_AD, w["up"], w["up_bias"])
     h = self.act(u) if w["gate"] is None else self.act(dot(xs_AD, w["gate"], w["gate_bias"])) * u
-    return jax.lax.ragged_dot(h, w["down"], sizes_E)
+    return grouped(h, w["down"], sizes_E)
 
-  def _blocked(self, xs_RD, w, padded_E, M):
+  def _blocked(self, xs_RD, w, padded_E, Ms):
     # Expert e owns rows [starts_E[e], starts_E[e] + padded_E[e]); rows past the last expert's
     # hold only zeros and are computed by none.
     starts_E = (jnp.cumsum(padded_E) - padded_E).astype(jnp.int32)
-    blocks_E = (padded_E // M).astype(jnp.int32)
     mlp_w = {n: w[n] for n in ("gate", "up", "down", "gate_bias", "up_bias")}
-    return _expert_mlp(xs_RD, mlp_w, starts_E, blocks_E, M, self.act)
+    return _expert_mlp(xs_RD, mlp_w, starts_E, _blocks_per_size(padded_E, Ms), Ms, self.act)
 
   def _add_aux_losses(self, logits_NE, probs_NE, experts_Nk, mask_N):
     E = self.num_experts

@@ -75,11 +75,19 @@ def test_fixes_name_the_levers_not_yet_pulled():
   fixes = " ".join(plan.fixes(cfg, mesh.resolve(cfg.mesh, 64)))
   assert "--config.mesh.fsdp=64 --config.mesh.data=1" in fixes
   assert "--config.model.remat=full" in fixes and "--config.train.micro_batches=2" in fixes
+  assert "--config.train.loss_chunk=4096" in fixes  # a 128k vocab, logits whole
   cfg = experiments.get_config(
-    "lm/llama3-8b", {"mesh.fsdp": "-1", "model.remat": "full", "train.micro_batches": "8"}
+    "lm/llama3-8b",
+    {
+      "mesh.fsdp": "-1",
+      "model.remat": "full",
+      "train.micro_batches": "8",
+      "train.loss_chunk": "2048",
+    },
   )
   fixes = " ".join(plan.fixes(cfg, mesh.resolve(cfg.mesh, 64)))  # 8 rows a device, 8 slices
   assert "mesh.fsdp" not in fixes and "remat" not in fixes and "micro_batches" not in fixes
+  assert "loss_chunk" not in fixes
   assert "larger topology" in fixes
 
 
@@ -195,7 +203,7 @@ def test_moe_auto_impl_is_chosen_for_the_slice_not_this_host():
   assert moe.resolve_impl("auto") == "blocked"  # this CPU
   devices = plan.devices(plan.parse_topology("v5e:2x2"))
   with jax.set_mesh(jax.sharding.Mesh(np.asarray(devices), ("data",))):
-    assert moe.resolve_impl("auto") == "ragged"
+    assert moe.resolve_impl("auto") == "gmm"
 
 
 @libtpu
@@ -308,3 +316,20 @@ def test_flash_attention_train_step_compiles_for_tpu(name, overrides, caplog):
   assert not [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
   hlo = compiled.as_text()
   assert hlo.count("tpu_custom_call") >= 3  # the forward, dK/dV and dQ kernels
+
+
+@libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [{"data": 4}, {"data": 2, "expert": 2}], ids=["data", "expert"])
+def test_moe_train_step_runs_megablox_on_tpu(sizes):
+  """The MoE recipes' step for a TPU slice runs megablox's grouped matmuls (kernels/tpu_gmm.py),
+  forward and backward, inside the trainer's check_vma shard_map, with or without experts split
+  over devices; never ragged-dot (whose weight gradient XLA:TPU runs densely over all experts)."""
+  from common import parallel
+
+  topology = plan.parse_topology("v5e:2x2")
+  overrides = {f"mesh.{a}": str(sizes.get(a, 1)) for a in mesh.AXES}
+  cfg = plan.config("lm/mixtral-8x7b:smoke", topology, {**overrides, "train.batch_size": "4"})
+  layout = parallel.make_layout(mesh.resolve(cfg.mesh, 4), plan.devices(topology))
+  hlo = plan._compile(cfg, layout)[1].as_text()
+  assert hlo.count("tpu_custom_call") >= 3 and "ragged-dot" not in hlo
