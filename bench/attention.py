@@ -3,14 +3,15 @@
     python bench/attention.py [--lengths 512,1024,2048,4096,8192] [--steps 3]
 
 One causal GQA attention (B=1, N=8, K=2, H=64), forward and backward (dq, dk, dv), at each
-sequence length. "xla" is what the shared layer runs by default (`make_mask` + `attend`: the
-[B, N, T, S] logits materialised); "flash" is kernels/flash_attention.py with its default
-blocks, compiled on GPU/TPU and in Pallas interpret mode on CPU (the kernel's grid run as XLA
-loops, so its CPU time says little about a GPU). On a GPU "cudnn"
-(`jax.nn.dot_product_attention`) is measured too. Memory is XLA's temp (scratch) bytes of the
-compiled step, from `.memory_analysis()`: inputs and outputs, the same for all, are left out. A
-run that would exceed --max-temp-gb or --max-step-s (extrapolated from the shorter length) is
-not run, and the table says why.
+sequence length. "xla" is what the shared layer runs by default (`make_mask` +
+`attend_in_blocks`: the logits materialised, a block of query rows at a time against the keys
+causality lets it see); "xla whole" is the same as one block (`attend`: all [B, N, T, S]
+logits); "flash" is kernels/flash_attention.py with its default blocks, compiled on GPU/TPU and
+in Pallas interpret mode on CPU (the kernel's grid run as XLA loops, so its CPU time says little
+about a GPU). On a GPU "cudnn" (`jax.nn.dot_product_attention`) is measured too. Memory is XLA's
+temp (scratch) bytes of the compiled step, from `.memory_analysis()`: inputs and outputs, the
+same for all, are left out. A run that would exceed --max-temp-gb or --max-step-s (extrapolated
+from the shorter length) is not run, and the table says why.
 """
 
 import argparse
@@ -27,11 +28,13 @@ from kernels import flash_attention as fa
 B, N, K, H = 1, 8, 2, 64
 
 
-def xla_path(q, k, v):
+def xla_path(q, k, v, *, blocks: bool = True):
   T, S = q.shape[1], k.shape[1]
   ones_BT, ones_BS = jnp.ones((B, T), jnp.int32), jnp.ones((B, S), jnp.int32)
   mask = attention.make_mask(jnp.arange(T), jnp.arange(S), ones_BT, ones_BS, causal=True)
-  return attention.attend(q, k, v, mask_BTS=mask)
+  if not blocks:
+    return attention.attend(q, k, v, mask_BTS=mask)
+  return attention.attend_in_blocks(q, k, v, mask_BTS=mask, causal=True, window=0)
 
 
 def cudnn_path(q, k, v):
@@ -40,6 +43,7 @@ def cudnn_path(q, k, v):
 
 IMPLS = {
   "xla": xla_path,
+  "xla whole": functools.partial(xla_path, blocks=False),
   "flash": functools.partial(fa.flash_attention, causal=True),
   "cudnn": cudnn_path,
 }
@@ -63,7 +67,7 @@ def main():
   args = p.parse_args()
   backend = jax.default_backend()
   dtype = jnp.float32 if backend == "cpu" else jnp.bfloat16
-  impls = ["xla", "flash"] + (["cudnn"] if backend == "gpu" else [])
+  impls = ["xla", "xla whole", "flash"] + (["cudnn"] if backend == "gpu" else [])
   mode = "Pallas interpret mode" if backend == "cpu" else "compiled"
   print(
     f"causal attention fwd+bwd, B={B} N={N} K={K} H={H} {jnp.dtype(dtype).name} on {backend} "
