@@ -93,19 +93,33 @@ TPU_SLICES = {
 }
 
 
-def tpu_rules(**micro_batches: int) -> list[tuple[str, dict]]:
+def tpu_rules(*, max_tensor: int = 0, **micro_batches: int) -> list[tuple[str, dict]]:
   """Mesh rules for the 64-chip TPU slices of `TPU_SLICES`, one per generation given
   (`tpu_rules(v5p=2, v5e=16)`), each with that slice's mesh, `train.micro_batches` as given,
   splash attention (`attention.impl=flash`: no [T, S] scores), `model.remat=full` and
-  `model.scan`. Size them with `zoo plan` (bench/plan_recipes.py prints the table)."""
+  `model.scan`. Size them with `zoo plan` (bench/plan_recipes.py prints the table).
+
+  max_tensor: the most `mesh.tensor` the model's heads allow (a model with one kv head: 1); a
+  slice whose mesh splits heads further moves the rest of its chips to `fsdp` (0: no limit)."""
   unknown = sorted(set(micro_batches) - set(TPU_SLICES))
   if unknown:
     raise UserError(f"tpu_rules knows no generation {unknown}: it knows {', '.join(TPU_SLICES)}.")
+
+  def capped(sizes: dict) -> dict:
+    tensor = sizes.get("mesh.tensor", 1)
+    if not max_tensor or tensor <= max_tensor:
+      return sizes
+    return {
+      **sizes,
+      "mesh.fsdp": sizes["mesh.fsdp"] * tensor // max_tensor,
+      "mesh.tensor": max_tensor,
+    }
+
   return [
     (
       name,
       {
-        **sizes,
+        **capped(sizes),
         "model.attention.impl": "flash",
         "model.remat": "full",
         "model.scan": True,

@@ -432,6 +432,11 @@ def fixes(cfg, sizes: dict[str, int]) -> list[str]:
     )
   if cfg.model.get("remat", "none") != "full":
     out.append("--config.model.remat=full (recompute activations in the backward pass)")
+  if not cfg.train.get("loss_chunk", 0) and cfg.model.get("vocab_size", 0) >= 32768:
+    out.append(
+      "--config.train.loss_chunk=4096 (the output head and loss 4,096 tokens at a time: no "
+      "[tokens, vocab] logits alive)"
+    )
   from common import parallel
 
   rows = cfg.train.batch_size // math.prod(sizes.get(a, 1) for a in parallel.BATCH_AXES)

@@ -3,7 +3,9 @@
 Command:   zoo run lm/gemma2-2b --workdir runs/gemma2-2b \
              --config.data.train_files='corpus/*.jsonl' --config.data.tokenizer.path=tokenizer.json
 Hardware:  the full model needs accelerators (about 16 bytes of weights and AdamW state per
-           parameter, sharded with mesh.fsdp); `lm/gemma2-2b:smoke` runs on one CPU in seconds.
+           parameter, sharded with mesh.fsdp); planned with `zoo plan` to fit a 64-chip slice
+           of v4, v5e, v5p and v6e (README's table; never run on a TPU);
+           `lm/gemma2-2b:smoke` runs on one CPU in seconds.
 Time:      not measured on accelerators here; the smoke form took 32 s (gemma2) and 38 s
            (gemma3) in all on 2 CPU cores shared with other jobs.
 Expected:  no reference metric: the loss depends on your corpus. The smoke form's loss falls.
@@ -43,6 +45,9 @@ def get_config(arg=None):
 
   # Training
   c.train = settings.train(steps=100_000, batch_size=512, eval_every=1000, eval_batches=50)
+  # A 256k vocab: the output head and loss a chunk of tokens at a time, never [tokens, vocab]
+  # logits whole (1 MB a token in fp32; `zoo plan` measured them overflowing every 64-chip slice).
+  c.train.loss_chunk = 4096
   c.mesh = mesh.config(fsdp=-1)
   # Mesh rules: the first pattern matching the hardware (`zoo show` says which) sets the mesh
   # and memory levers; not measured here (no accelerator), the intent of the recipe.
@@ -50,6 +55,9 @@ def get_config(arg=None):
       ("cpu*", {"mesh.fsdp": -1}),
       ("gpu-*h100*x8", {"mesh.fsdp": 8, "model.remat": "save_dots"}),
       ("gpu-*h200*x8", {"mesh.fsdp": 8}),
+      # TPU, 64-chip slices: micro-batches per generation, sized with `zoo plan`; FSDP over every
+      # chip (a model this small gains nothing from splitting heads over `tensor`).
+      *mesh.tpu_rules(v5p=1, v4=2, v6e=2, v5e=4, max_tensor=1),
       ("tpu-v5p*", {"mesh.fsdp": -1, "model.remat": "save_dots"}),
   ]
 
@@ -66,6 +74,6 @@ def get_config(arg=None):
     )
     c.model.dtype = "float32"
     c.train.update(steps=4, batch_size=4, log_every=1, eval_every=4, eval_batches=2,
-                   checkpoint_every=2)
+                   checkpoint_every=2, loss_chunk=64)
     c.mesh.update(data=1, fsdp=1, tensor=1)
   return c

@@ -111,3 +111,16 @@ def test_tpu_rules_name_the_hardware_of_each_64_chip_slice():
   assert [n for n, _ in mesh.tpu_rules(v5e=4)] == ["tpu-v5-litex64"]
   with pytest.raises(UserError, match="v7"):
     mesh.tpu_rules(v7=1)
+
+
+def test_tpu_rules_max_tensor_moves_chips_to_fsdp():
+  """A model whose heads allow less tensor parallelism than a slice's mesh (one kv head) keeps
+  every chip: the rest go to fsdp."""
+  full = dict(mesh.tpu_rules(v5p=2, v4=8, v6e=8, v5e=16))
+  capped = dict(mesh.tpu_rules(v5p=2, v4=8, v6e=8, v5e=16, max_tensor=1))
+  for name, sizes in full.items():
+    t = sizes.get("mesh.tensor", 1)
+    assert capped[name].get("mesh.tensor", 1) == 1
+    assert capped[name]["mesh.fsdp"] == sizes["mesh.fsdp"] * t == 64
+  two = dict(mesh.tpu_rules(v5e=16, max_tensor=2))["tpu-v5-litex64"]
+  assert (two["mesh.fsdp"], two["mesh.tensor"]) == (32, 2)
