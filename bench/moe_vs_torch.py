@@ -174,6 +174,11 @@ def main():
     if other not in ("zoo", "zoo dense k*F"):
       print(f"zoo / {other}: {tps['zoo'] / tps[other]:.2f}x")
   print(f"zoo MoE step / zoo dense k*F step (time): {tps['zoo dense k*F'] / tps['zoo']:.2f}x")
+  # What a router and grouped matmul costing nothing would give: the dense step against torch's.
+  print(
+    f"with free routing (zoo dense k*F / torch eager): "
+    f"{tps['zoo dense k*F'] / tps['torch eager']:.2f}x"
+  )
   # The floor under any implementation: the step's matmul FLOPs (those of the dense model of the
   # same work per token, MaxText's count as bench/train_vs_torch.py's MFU) at this machine's fp32
   # matmul peak. A ratio to torch eager above `ceiling` would need matmuls faster than the peak.

@@ -19,9 +19,11 @@ import jax.numpy as jnp
 from kernels import vma
 from kernels.tpu_attention import target_platform
 
-# Rows per tile: megablox pads each group's start down to a multiple of it, and the rows must
-# come in whole tiles. The k and n tiles are megablox's defaults (the TPU's 128 lanes).
-TILE = 128
+# Rows and columns per tile, at most: each row tile reads its group's whole [k, n] weight, so
+# small row tiles re-read the weights often (MaxText's default tiles; megablox's own, 128 rows,
+# read them 4x as often). Capped by the problem: rows to a multiple of 8; k and n share one size
+# (the backward pass swaps them), a multiple of the TPU's 128 lanes no larger than either.
+TILE_ROWS, TILE_COLS = 512, 1024
 
 
 def gmm(x_RD, w_EDF, sizes_E, *, interpret: bool | None = None) -> jax.Array:
@@ -33,8 +35,11 @@ def gmm(x_RD, w_EDF, sizes_E, *, interpret: bool | None = None) -> jax.Array:
 
   if interpret is None:
     interpret = target_platform() != "tpu"
-  R = x_RD.shape[0]
-  tm = min(TILE, -(-R // 8) * 8)
+  R, D = x_RD.shape
+  F = w_EDF.shape[2]
+  tm = min(TILE_ROWS, -(-R // 8) * 8)
+  tkn = min(TILE_COLS, max(128, min(D, F) // 128 * 128))
+  tiling = (tm, tkn, tkn)
   pad = -R % tm
 
   def run(x_RD, w_EDF, sizes_E):
@@ -47,9 +52,7 @@ def gmm(x_RD, w_EDF, sizes_E, *, interpret: bool | None = None) -> jax.Array:
     # The first group's index, typed to vary as the inputs do: megablox would make an
     # invariant one, which its interpret mode then mixes with varying values.
     offset = vma.to_varying(jnp.zeros((), jnp.int32), vma.varying(sizes_E))
-    y_RF = megablox.gmm(
-      x_RD, w_EDF, sizes_E, x_RD.dtype, (tm, TILE, TILE), offset, None, False, interpret
-    )
+    y_RF = megablox.gmm(x_RD, w_EDF, sizes_E, x_RD.dtype, tiling, offset, None, False, interpret)
     return jnp.where(real_R, y_RF, 0)[:R]
 
   return vma.per_device(run)(x_RD, w_EDF, sizes_E.astype(jnp.int32))
