@@ -252,8 +252,9 @@ def choose_impl(
       # would be mostly waste, and the cache's fill mask is no causal/window/segment rule.
       reason = "decoding with a KV cache"
     elif backend == "cpu":
-      # Not a fallback: the same kernel, emulated by XLA loops; on CPU it is no slower than
-      # "xla" and holds no [T, S] array (bench/attention.py), and it keeps "flash" testable.
+      # Not a fallback: the same kernel, emulated by XLA loops; on CPU it holds no [T, S]
+      # array, though "xla"'s query blocks run faster there (bench/attention.py), and it keeps
+      # "flash" testable.
       _log_once(impl, "runs in Pallas interpret mode on CPU", logging.INFO)
   elif impl == "cudnn":
     if backend != "gpu":

@@ -57,7 +57,7 @@ def get_config(arg=None):
       ("gpu-*h200*x8", {"mesh.fsdp": 8}),
       # TPU, 64-chip slices: micro-batches per generation, sized with `zoo plan`; FSDP over every
       # chip (a model this small gains nothing from splitting heads over `tensor`).
-      *mesh.tpu_rules(v5p=1, v4=1, v6e=1, v5e=2, max_tensor=1),
+      *mesh.tpu_rules(v5p=1, v4=1, v6e=1, v5e=4, max_tensor=1),
       ("tpu-v5p*", {"mesh.fsdp": -1, "model.remat": "save_dots"}),
   ]
 

@@ -4,12 +4,12 @@ lm/shakespeare-char: the same data, steps and active parameters per token.
 Command:   zoo run lm/shakespeare-moe --workdir runs/moe
 Hardware:  a 2-core CPU (no accelerator needed); 8 devices: --config.mesh.expert=4
            --config.mesh.data=2 with XLA_FLAGS=--xla_force_host_platform_device_count=8.
-Time:      22.8 min for the 900 steps on 2 CPU cores, nothing else running: a median of 3,070
-           tokens/s (1.34 s a step). lm/shakespeare-char on the same machine that hour: 4,000
-           tokens/s (1.02 s a step), so a step of this model takes 1.31x the dense one's; the
-           machine was slower that day than in lm/shakespeare-char's docstring (6,500-8,700).
-Expected:  held-out 1.579 nats per character at step 900 (dense: 1.58) and 1.733 at step 450
-           (dense: 1.74): the same loss for the same active parameters, at 1.3x the step time
+Time:      24.4 min for the 900 steps on 2 CPU cores shared with `zoo plan` compiles (2,604
+           tokens/s at the end); on the idle machine a step takes 1.08x lm/shakespeare-char's
+           (1,022 vs 946 ms, the two steps timed side by side, 2026-12-04; 1.31x before the
+           fused expert MLP, its 512/128/32-row blocks and the blocked causal attention).
+Expected:  held-out 1.577-1.579 nats per character at step 900 (dense: 1.58) and 1.733 at step 450
+           (dense: 1.74): the same loss for the same active parameters, at 1.08x the step time
            here. The expert load (busiest expert's tokens over the mean) falls from 2.5 at step
            10 to 1.20 at step 900.
 """
