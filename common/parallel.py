@@ -32,10 +32,14 @@ from common.errors import UserError
 from common.mesh import AXES
 from kernels import vma
 
-# Logical axis -> mesh axis. 1-D parameters named D (norm scales, output biases) stay
-# replicated on purpose: they are a few KB and every device needs them whole.
+# Logical axis -> mesh axis, or axes: a model dim D is stored sharded over `fsdp` and, in a
+# weight that has no experts dim, over `expert` too (as MaxText's rules do: with expert
+# parallelism the attention and embedding weights are not kept whole on every expert shard; an
+# expert weight's E takes the `expert` axis, its D keeps `fsdp`). 1-D parameters named D (norm
+# scales, output biases) stay replicated on purpose: they are a few KB and every device needs
+# them whole.
 RULES = {
-  "D": "fsdp",
+  "D": ("fsdp", "expert"),
   "F": "tensor",
   "NH": "tensor",
   "KH": "tensor",
@@ -58,14 +62,36 @@ class Layout:
     return dict(zip(self.mesh.axis_names, self.mesh.devices.shape, strict=True))
 
   def axis_of(self, logical: str | None) -> str | None:
-    axis = self.rules.get(logical) if logical else None
-    return axis if axis and self.sizes[axis] > 1 else None
+    """The one mesh axis (of size > 1) a logical axis maps to first, or None."""
+    axes = self.mesh_axes(logical)
+    return axes[0] if axes else None
+
+  def rule(self, logical: str | None) -> tuple[str, ...]:
+    """The mesh axes RULES name for a logical axis, whatever their sizes."""
+    rule = self.rules.get(logical) if logical else None
+    return (rule,) if isinstance(rule, str) else tuple(rule or ())
+
+  def mesh_axes(self, logical: str | None, taken=()) -> tuple[str, ...]:
+    """The mesh axes (of size > 1, not in `taken`) a logical axis is split over, major first."""
+    return tuple(a for a in self.rule(logical) if self.sizes[a] > 1 and a not in taken)
+
+  def stored_sharded(self, logical: str | None) -> bool:
+    """Whether a logical axis is stored split over `fsdp` and gathered whole where used (D)."""
+    return "fsdp" in self.rule(logical)
+
+  def dim_axes(self, axes) -> list[tuple[str, ...]]:
+    """The mesh axes of each dim of a weight with logical `axes`: a dim whose rule names one
+    mesh axis claims it first (E -> expert), the dims with several take what is left, so no
+    mesh axis splits two dims."""
+    single = {a: self.mesh_axes(a) for a in axes if isinstance(self.rules.get(a), str)}
+    taken = {m for ms in single.values() for m in ms}
+    return [single[a] if a in single else self.mesh_axes(a, taken) for a in axes]
 
   def param_spec(self, variable) -> P:
     axes = getattr(variable, "axes", None) or (None,) * variable.ndim
-    if variable.ndim == 1 and self.rules.get(axes[0]) == "fsdp":
+    if variable.ndim == 1 and self.stored_sharded(axes[0]):
       return P(None)
-    return P(*(self.axis_of(a) for a in axes))
+    return P(*(ms[0] if len(ms) == 1 else ms or None for ms in self.dim_axes(axes)))
 
   def param_specs(self, params):
     """The same tree as `params` (Variables kept, so it is a full tree, not a prefix) with a
@@ -144,13 +170,14 @@ def active(layout: Layout | None):
 
 
 def gather(w: jax.Array, axes) -> jax.Array:
-  """The whole of each fsdp-sharded dim of weight `w` (tensor-split dims stay local)."""
+  """The whole of each fsdp-sharded dim of weight `w` (over `fsdp`, and `expert` where the
+  weight has no experts dim); tensor-split dims and an expert weight's experts stay local."""
   layout = _ACTIVE.get()
   if layout is None or w.ndim == 1:
     return w
-  for dim, name in enumerate(axes):
-    if layout.axis_of(name) == "fsdp":
-      w = jax.lax.all_gather(w, "fsdp", axis=dim, tiled=True)
+  for dim, (name, split) in enumerate(zip(axes, layout.dim_axes(axes), strict=True)):
+    if split and layout.stored_sharded(name):
+      w = jax.lax.all_gather(w, split if len(split) > 1 else split[0], axis=dim, tiled=True)
   return w
 
 

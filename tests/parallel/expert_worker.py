@@ -59,12 +59,14 @@ def main(exp: str):
       )
     )
     out[name] = result(*fn(params, steps.put_batch(batch, layout)))
-    # Each expert weight's placement and the shape of one device's shard.
-    out[name]["experts"] = {
+    # Each weight's placement and the shape of one device's shard: the experts apart.
+    placed = {
       "/".join(map(str, k)): [str(v.sharding.spec), list(v.addressable_shards[0].data.shape)]
       for k, v in nnx.to_flat_state(params)
-      if k[-1] in ("gate", "up", "down") and "mlp" in k
     }
+    expert = lambda key: key.split("/")[-1] in ("gate", "up", "down") and "mlp" in key
+    out[name]["experts"] = {k: v for k, v in placed.items() if expert(k)}
+    out[name]["others"] = {k: v for k, v in placed.items() if not expert(k)}
   print(json.dumps(out))
 
 

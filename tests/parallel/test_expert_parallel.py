@@ -70,6 +70,26 @@ def test_each_device_holds_its_share_of_the_experts(results, mesh):
       assert shape == [4 // expert, 64 // fsdp, 64 // tensor], name
 
 
+@pytest.mark.slow
+@pytest.mark.multidevice
+@pytest.mark.parametrize("mesh", MESHES)
+def test_weights_without_experts_are_stored_over_fsdp_and_expert(results, mesh):
+  """The attention, router and embedding weights' D is split over fsdp x expert (not kept
+  whole on every expert shard); 1-D norm scales stay whole."""
+  _, fsdp, expert, _ = eval(mesh)  # noqa: S307 (our own literal)
+  others = results[mesh]["others"]
+  d_split = [a for a, n in (("fsdp", fsdp), ("expert", expert)) if n > 1]
+  d_spec = repr(d_split[0]) if len(d_split) == 1 else repr(tuple(d_split))
+  for name in ("blocks/0/attn/q/kernel", "blocks/0/mlp/router", "lm_head/kernel"):
+    spec, shape = others[name]
+    assert spec.startswith(f"P({d_spec},"), (name, spec)
+    assert shape[0] == 64 // (fsdp * expert), (name, shape)
+  spec, shape = others["embed/embedding"]  # [V, D]
+  assert spec.endswith(f", {d_spec})"), spec
+  scales = [spec for k, (spec, _) in others.items() if k.endswith("scale")]
+  assert len(scales) == 5 and set(scales) == {"P(None,)"}, scales
+
+
 def zoo_run(workdir, devices: int, mesh: tuple[int, int, int, int], steps: int):
   data, fsdp, expert, tensor = mesh
   args = ["-m", "common.cli", "run", EXP, "--workdir", str(workdir), "--quiet"]
