@@ -1,4 +1,6 @@
-"""The full-size LM recipes planned for 64-chip TPU slices of each generation with `zoo plan`.
+"""The full-size LM recipes planned for 64-chip TPU slices of each generation with `zoo plan`
+(or the larger slice of that generation a recipe's own mesh rule names, where 64 chips do not
+hold its step: Mixtral and Qwen3-30B on v5e-128).
 
 Each row compiles the recipe's real train step ahead of time on this machine (libtpu: `pip
 install -e ".[tpu]"`), with the mesh rule the recipe picks for that slice, and prints: mesh,
@@ -26,6 +28,24 @@ RECIPES = (
   "lm/qwen3-30b-a3b",
 )
 TOPOLOGIES = ("v5p-128", "v6e-64", "v4-128", "v5e-64")  # 64 chips each
+
+
+def recipe_topology(exp: str, topology: str) -> str:
+  """`topology`, or the slice of its generation that `exp`'s TPU rule is written for when it
+  has none for this size (the smallest such)."""
+  from common import experiments
+
+  topo = plan.parse_topology(topology)
+  rules = experiments.get_config(exp).get("mesh_rules", [])
+  prefix = topo.hardware.rsplit("x", 1)[0] + "x"
+  sizes = sorted(
+    int(pattern[len(prefix) :])
+    for pattern, _ in rules
+    if pattern.startswith(prefix) and pattern[len(prefix) :].isdigit()
+  )
+  if not sizes or topo.chips in sizes:
+    return topology
+  return f"{topo.generation}-{sizes[0] * topo.chip.cores_per_chip}"
 
 
 def row(exp: str, topology: str, *, estimate_time: bool) -> str:
@@ -57,6 +77,7 @@ def main(argv=None):
   print("|---|---|---|---|---|---|---|---|")
   for exp in args.recipes:
     for topology in args.topologies:
+      topology = recipe_topology(exp, topology)
       print(row(exp, topology, estimate_time=not args.no_time), flush=True)
 
 

@@ -82,51 +82,63 @@ def pick_rule(rules, hardware: str) -> tuple[str, dict] | None:
   return None
 
 
-# 64-chip TPU slices by the hardware name jax's devices give (v5p reports "TPU v5", v5e "TPU v5
-# lite"), and the mesh each one's HBM calls for with a 7-8B model: FSDP over every chip where
-# 95 GiB a chip leaves room, heads split over `tensor` where 32 or 16 GiB do not.
+# TPU slices by the hardware name jax's devices give (v5p reports "TPU v5", v5e "TPU v5 lite";
+# the chip count follows an "x"), and the mesh each one's HBM calls for with a 7-8B model on 64
+# chips: FSDP over every chip where 95 GiB a chip leaves room, heads split over `tensor` where 32
+# or 16 GiB do not. A larger slice puts its extra chips on `fsdp`.
 TPU_SLICES = {
-  "v5p": ("tpu-v5x64", {"mesh.fsdp": 64}),
-  "v4": ("tpu-v4x64", {"mesh.fsdp": 32, "mesh.tensor": 2}),
-  "v6e": ("tpu-v6-litex64", {"mesh.fsdp": 32, "mesh.tensor": 2}),
-  "v5e": ("tpu-v5-litex64", {"mesh.fsdp": 16, "mesh.tensor": 4}),
+  "v5p": ("tpu-v5", {"mesh.fsdp": 64}),
+  "v4": ("tpu-v4", {"mesh.fsdp": 32, "mesh.tensor": 2}),
+  "v6e": ("tpu-v6-lite", {"mesh.fsdp": 32, "mesh.tensor": 2}),
+  "v5e": ("tpu-v5-lite", {"mesh.fsdp": 16, "mesh.tensor": 4}),
 }
 
 
-def tpu_rules(*, max_tensor: int = 0, **micro_batches: int) -> list[tuple[str, dict]]:
-  """Mesh rules for the 64-chip TPU slices of `TPU_SLICES`, one per generation given
-  (`tpu_rules(v5p=2, v5e=16)`), each with that slice's mesh, `train.micro_batches` as given,
-  splash attention (`attention.impl=flash`: no [T, S] scores), `model.remat=full` and
+def tpu_rules(
+  *, max_tensor: int = 0, expert: int = 1, chips: int = 64, **micro_batches: int
+) -> list[tuple[str, dict]]:
+  """Mesh rules for TPU slices of `chips` chips (64: a v5p-128, v4-128, v6e-64, v5e-64), one per
+  generation given (`tpu_rules(v5p=2, v5e=16)`), each with that slice's mesh, `train.micro_batches`
+  as given, splash attention (`attention.impl=flash`: no [T, S] scores), `model.remat=full` and
   `model.scan`. Size them with `zoo plan` (bench/plan_recipes.py prints the table).
 
   max_tensor: the most `mesh.tensor` the model's heads allow (a model with one kv head: 1); a
-  slice whose mesh splits heads further moves the rest of its chips to `fsdp` (0: no limit)."""
+  slice whose mesh splits heads further moves the rest of its chips to `fsdp` (0: no limit).
+  expert: `mesh.expert` for a mixture of experts, its chips taken from `fsdp` (each chip then
+  keeps E / expert experts whole instead of a slice of every expert).
+  chips: the slice size (a multiple of 64), for a model whose state does not fit 64 chips."""
   unknown = sorted(set(micro_batches) - set(TPU_SLICES))
   if unknown:
     raise UserError(f"tpu_rules knows no generation {unknown}: it knows {', '.join(TPU_SLICES)}.")
+  if chips % 64:
+    raise UserError(f"tpu_rules(chips={chips}): slices of a multiple of 64 chips only.")
 
-  def capped(sizes: dict) -> dict:
+  def sized(sizes: dict) -> dict:
+    sizes = {**sizes, "mesh.fsdp": sizes["mesh.fsdp"] * chips // 64}
     tensor = sizes.get("mesh.tensor", 1)
-    if not max_tensor or tensor <= max_tensor:
-      return sizes
-    return {
-      **sizes,
-      "mesh.fsdp": sizes["mesh.fsdp"] * tensor // max_tensor,
-      "mesh.tensor": max_tensor,
-    }
+    if max_tensor and tensor > max_tensor:
+      sizes.update({"mesh.fsdp": sizes["mesh.fsdp"] * tensor // max_tensor})
+      sizes["mesh.tensor"] = max_tensor
+    if expert > 1:
+      if sizes["mesh.fsdp"] % expert:
+        raise UserError(
+          f"tpu_rules(expert={expert}): the slice's fsdp={sizes['mesh.fsdp']} has no room for it."
+        )
+      sizes.update({"mesh.fsdp": sizes["mesh.fsdp"] // expert, "mesh.expert": expert})
+    return sizes
 
   return [
     (
-      name,
+      f"{prefix}x{chips}",
       {
-        **capped(sizes),
+        **sized(sizes),
         "model.attention.impl": "flash",
         "model.remat": "full",
         "model.scan": True,
         "train.micro_batches": micro_batches[gen],
       },
     )
-    for gen, (name, sizes) in TPU_SLICES.items()
+    for gen, (prefix, sizes) in TPU_SLICES.items()
     if gen in micro_batches
   ]
 

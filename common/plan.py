@@ -422,13 +422,10 @@ def plan(cfg, topology: str | Topology, *, estimate_time: bool = True) -> dict:
 def fixes(cfg, sizes: dict[str, int]) -> list[str]:
   """The levers that lower memory per device and are not pulled yet, most effective first."""
   out = []
-  devices_ = math.prod(sizes.values())
-  if sizes["fsdp"] < devices_:
+  if sizes["data"] > 1:  # the state is stored whole on each data replica, split over the rest
     out.append(
       f"--config.mesh.fsdp={sizes['fsdp'] * sizes['data']} --config.mesh.data=1 "
       "(shard parameters and optimizer state over more devices)"
-      if sizes["data"] > 1
-      else "--config.mesh.fsdp=-1 (shard parameters and optimizer state over every device)"
     )
   if cfg.model.get("remat", "none") != "full":
     out.append("--config.model.remat=full (recompute activations in the backward pass)")

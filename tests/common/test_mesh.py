@@ -124,3 +124,20 @@ def test_tpu_rules_max_tensor_moves_chips_to_fsdp():
     assert capped[name]["mesh.fsdp"] == sizes["mesh.fsdp"] * t == 64
   two = dict(mesh.tpu_rules(v5e=16, max_tensor=2))["tpu-v5-litex64"]
   assert (two["mesh.fsdp"], two["mesh.tensor"]) == (32, 2)
+
+
+def test_tpu_rules_for_larger_slices_and_experts():
+  """chips: a larger slice's extra chips go to fsdp, under that slice's own hardware name;
+  expert: chips taken from fsdp, every chip still used; a size with no room is refused."""
+  from common import plan
+
+  ((name, big),) = mesh.tpu_rules(v5e=8, chips=256)
+  assert name == plan.parse_topology("v5e-256").hardware
+  assert (big["mesh.fsdp"], big["mesh.tensor"]) == (64, 4)
+  for name, sizes in mesh.tpu_rules(v5p=2, v4=8, v6e=8, v5e=32, expert=8):
+    used = sizes["mesh.fsdp"] * sizes.get("mesh.tensor", 1) * sizes["mesh.expert"]
+    assert sizes["mesh.expert"] == 8 and used == 64, name
+  with pytest.raises(UserError, match="expert=32"):
+    mesh.tpu_rules(v5e=8, expert=32)
+  with pytest.raises(UserError, match="multiple of 64"):
+    mesh.tpu_rules(v5e=8, chips=96)

@@ -89,6 +89,10 @@ def test_fixes_name_the_levers_not_yet_pulled():
   assert "mesh.fsdp" not in fixes and "remat" not in fixes and "micro_batches" not in fixes
   assert "loss_chunk" not in fixes
   assert "larger topology" in fixes
+  # Every chip already holds its own share (fsdp x tensor x expert): no fsdp lever to name.
+  for split in ({"mesh.fsdp": "16", "mesh.tensor": "4"}, {"mesh.fsdp": "8", "mesh.expert": "8"}):
+    cfg = experiments.get_config("lm/mixtral-8x7b", split)
+    assert "mesh.fsdp" not in " ".join(plan.fixes(cfg, mesh.resolve(cfg.mesh, 64)))
 
 
 def test_model_flops_is_6_params_tokens_plus_attention():
@@ -333,3 +337,23 @@ def test_moe_train_step_runs_megablox_on_tpu(sizes):
   layout = parallel.make_layout(mesh.resolve(cfg.mesh, 4), plan.devices(topology))
   hlo = plan._compile(cfg, layout)[1].as_text()
   assert hlo.count("tpu_custom_call") >= 3 and "ragged-dot" not in hlo
+
+
+def test_plan_recipes_plans_the_slice_a_recipe_is_written_for():
+  """bench/plan_recipes.py's table: each generation's 64-chip slice, or the larger one a
+  recipe's TPU rule names where 64 chips do not hold its step (the MoE recipes on v5e)."""
+  import importlib.util
+  import pathlib
+
+  path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "plan_recipes.py"
+  spec = importlib.util.spec_from_file_location("plan_recipes", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  assert [bench.recipe_topology("lm/llama3-8b", t) for t in bench.TOPOLOGIES] == list(
+    bench.TOPOLOGIES
+  )
+  for exp in ("lm/mixtral-8x7b", "lm/qwen3-30b-a3b"):
+    assert bench.recipe_topology(exp, "v5e-64") == "v5e-128"
+    assert bench.recipe_topology(exp, "v5p-128") == "v5p-128"
+    rules = plan.config(exp, "v5e-128").mesh_rules
+    assert mesh.pick_rule(rules, plan.parse_topology("v5e-128").hardware)[0] == "tpu-v5-litex128"
