@@ -31,21 +31,19 @@ TOPOLOGIES = ("v5p-128", "v6e-64", "v4-128", "v5e-64")  # 64 chips each
 
 
 def recipe_topology(exp: str, topology: str) -> str:
-  """`topology`, or the slice of its generation that `exp`'s TPU rule is written for when it
-  has none for this size (the smallest such)."""
+  """`topology`, or the smallest larger slice of its generation that one of `exp`'s mesh rules
+  names, where none names this one."""
   from common import experiments
 
   topo = plan.parse_topology(topology)
-  rules = experiments.get_config(exp).get("mesh_rules", [])
-  prefix = topo.hardware.rsplit("x", 1)[0] + "x"
-  sizes = sorted(
-    int(pattern[len(prefix) :])
-    for pattern, _ in rules
-    if pattern.startswith(prefix) and pattern[len(prefix) :].isdigit()
-  )
-  if not sizes or topo.chips in sizes:
+  patterns = {pattern for pattern, _ in experiments.get_config(exp).get("mesh_rules", [])}
+  if topo.hardware in patterns:
     return topology
-  return f"{topo.generation}-{sizes[0] * topo.chip.cores_per_chip}"
+  for chips in sorted(n for n in plan.SHAPES[topo.chip.dims] if n > topo.chips):
+    larger = f"{topo.generation}-{chips * topo.chip.cores_per_chip}"
+    if plan.parse_topology(larger).hardware in patterns:
+      return larger
+  return topology
 
 
 def row(exp: str, topology: str, *, estimate_time: bool) -> str:

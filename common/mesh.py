@@ -117,8 +117,9 @@ def tpu_rules(
     sizes = {**sizes, "mesh.fsdp": sizes["mesh.fsdp"] * chips // 64}
     tensor = sizes.get("mesh.tensor", 1)
     if max_tensor and tensor > max_tensor:
-      sizes.update({"mesh.fsdp": sizes["mesh.fsdp"] * tensor // max_tensor})
-      sizes["mesh.tensor"] = max_tensor
+      sizes.update(
+        {"mesh.fsdp": sizes["mesh.fsdp"] * tensor // max_tensor, "mesh.tensor": max_tensor}
+      )
     if expert > 1:
       if sizes["mesh.fsdp"] % expert:
         raise UserError(
