@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common.nn import attention
-from kernels import flash_attention as fa
+from nnx_zoo.common.nn import attention
+from nnx_zoo.kernels import flash_attention as fa
 
 B, N, K, H = 1, 8, 2, 64
 

@@ -4,7 +4,7 @@
     pip install -e ".[bench]" && python bench/decode_vs_torch.py [--rounds 3] [--new 256]
 
 The model is bench/llama-19m's (LlamaForCausalLM with random weights, saved with
-`save_pretrained` and read by `common.hub.load`, as a user's HF directory would be). The two
+`save_pretrained` and read by `nnx_zoo.common.hub.load`, as a user's HF directory would be). The two
 run in turn, `--rounds` times after a warm-up (which compiles the zoo's step), so load from other
 processes hits both alike; tokens/s counts new tokens at the median time. The outputs are checked
 token for token; where they part, the zoo's gap between its top two logits at that step is shown
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import hub, sampling
-from experiments.bench.llama_19m import HF_CONFIG
+from nnx_zoo.common import hub, sampling
+from nnx_zoo.experiments.bench.llama_19m import HF_CONFIG
 
 
 def main():

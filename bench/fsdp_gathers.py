@@ -21,10 +21,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from common import experiments, models, parallel  # noqa: E402
-from common.train import optim
-from common.train import step as steps
-from zoo.llama import model as llama  # noqa: E402
+from nnx_zoo.common import experiments, models, parallel  # noqa: E402
+from nnx_zoo.common.train import optim
+from nnx_zoo.common.train import step as steps
+from nnx_zoo.zoo.llama import model as llama  # noqa: E402
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}
 

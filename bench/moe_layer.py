@@ -4,9 +4,9 @@
 
 A Mixtral-small layer (E=8 experts, top-2, D=256, F=768, SwiGLU, no shared expert) over B=1 rows
 of T tokens, forward and backward (gradients of every parameter and of x), for each
-`common.nn.moe` impl, and a dense SwiGLU MLP with hidden k * F: the same matmul work as what one
-token computes through its k experts. Contenders alternate within each round, so a load change on
-a shared machine hits all of them alike; the table gives the median over rounds and the routing
+`nnx_zoo.common.nn.moe` impl, and a dense SwiGLU MLP with hidden k * F: the same matmul work as what
+one token computes through its k experts. Contenders alternate within each round, so a load change
+on a shared machine hits all of them alike; the table gives the median over rounds and the routing
 overhead, MoE time / dense time (the target: at most 1.5x). "loop" runs every expert on every
 token (E / k = 4x the dense work), "ragged" is `jax.lax.ragged_dot`, "blocked" the padded-block
 loop; `impl="auto"` picks the fastest one here for this backend.
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from common.nn import mlp, moe
+from nnx_zoo.common.nn import mlp, moe
 
 E, TOP_K, D, F = 8, 2, 256, 768
 

@@ -26,8 +26,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from train_vs_torch import matmul_peak, step_flops, zoo_step  # noqa: E402  (as the dense bench)
 
-from common import experiments, hub, models  # noqa: E402
-from common.hub import hf  # noqa: E402
+from nnx_zoo.common import experiments, hub, models  # noqa: E402
+from nnx_zoo.common.hub import hf  # noqa: E402
 
 OVERRIDES = {
   "model.dim": "256",

@@ -19,8 +19,8 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import experiments, parallel  # noqa: E402
-from common.train import optim
+from nnx_zoo.common import experiments, parallel  # noqa: E402
+from nnx_zoo.common.train import optim
 
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2), (1, 1, 2)]
 

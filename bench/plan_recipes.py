@@ -5,7 +5,7 @@ hold its step: Mixtral and Qwen3-30B on v5e-128).
 Each row compiles the recipe's real train step ahead of time on this machine (libtpu: `pip
 install -e ".[tpu]"`), with the mesh rule the recipe picks for that slice, and prints: mesh,
 memory per device, fits, the estimated step time (a roofline of the compiler's FLOPs and bytes:
-see `common.plan.estimate_cost`) and MFU. Rows print as they finish (each takes minutes on a
+see `nnx_zoo.common.plan.estimate_cost`) and MFU. Rows print as they finish (each takes minutes on a
 small CPU).
 
   python bench/plan_recipes.py                      # every recipe on every generation
@@ -16,8 +16,8 @@ import argparse
 import sys
 import time
 
-from common import plan
-from common.errors import UserError
+from nnx_zoo.common import plan
+from nnx_zoo.common.errors import UserError
 
 RECIPES = (
   "lm/llama3-8b",
@@ -33,7 +33,7 @@ TOPOLOGIES = ("v5p-128", "v6e-64", "v4-128", "v5e-64")  # 64 chips each
 def recipe_topology(exp: str, topology: str) -> str:
   """`topology`, or the smallest larger slice of its generation that one of `exp`'s mesh rules
   names, where none names this one."""
-  from common import experiments
+  from nnx_zoo.common import experiments
 
   topo = plan.parse_topology(topology)
   patterns = {pattern for pattern, _ in experiments.get_config(exp).get("mesh_rules", [])}

@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import experiments, hub, models
-from common.hub import hf
-from common.train import optim
-from common.train import step as steps
+from nnx_zoo.common import experiments, hub, models
+from nnx_zoo.common.hub import hf
+from nnx_zoo.common.train import optim
+from nnx_zoo.common.train import step as steps
 
 EXP = "bench/llama-19m"
 

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from common.errors import Preempted, UserError
+from nnx_zoo.common.errors import Preempted, UserError
 
 USAGE = """\
 zoo list                                          # the experiments, one line each
@@ -91,14 +91,14 @@ def parser() -> argparse.ArgumentParser:
 
 def hardware(args) -> str:
   """The hardware name mesh rules match: --mesh-rule's, or the devices found."""
-  from common import mesh
+  from nnx_zoo.common import mesh
 
   return args.mesh_rule or mesh.hardware_name()
 
 
 def cmd_list(_args, _overrides):
-  from common import experiments
-  from experiments import REGISTRY
+  from nnx_zoo.common import experiments
+  from nnx_zoo.experiments import REGISTRY
 
   width = max(map(len, REGISTRY))
   for name in REGISTRY:
@@ -106,11 +106,11 @@ def cmd_list(_args, _overrides):
 
 
 def cmd_show(args, overrides):
-  from common import experiments, models
-  from common.nn import lora
+  from nnx_zoo.common import experiments, models
+  from nnx_zoo.common.nn import lora
 
   if args.topology:  # a TPU slice's hardware name, from the name alone (no libtpu needed)
-    from common import plan
+    from nnx_zoo.common import plan
 
     args.mesh_rule = plan.parse_topology(args.topology).hardware
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
@@ -134,7 +134,7 @@ def cmd_show(args, overrides):
 
 
 def cmd_plan(args, overrides):
-  from common import plan
+  from nnx_zoo.common import plan
 
   cfg = plan.config(args.exp, args.topology, overrides)
   result = plan.plan(cfg, args.topology)
@@ -146,8 +146,8 @@ def cmd_plan(args, overrides):
 
 
 def cmd_run(args, overrides):
-  from common import distributed, experiments
-  from common.train import trainer
+  from nnx_zoo.common import distributed, experiments
+  from nnx_zoo.common.train import trainer
 
   distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
@@ -156,9 +156,9 @@ def cmd_run(args, overrides):
 
 
 def cmd_eval(args, overrides):
-  from common import distributed, experiments
-  from common.hub import weights
-  from common.train import metrics, trainer
+  from nnx_zoo.common import distributed, experiments
+  from nnx_zoo.common.hub import weights
+  from nnx_zoo.common.train import metrics, trainer
 
   distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
@@ -177,11 +177,11 @@ def cmd_generate(args, _overrides):
   import jax
   import numpy as np
 
-  from common import config as config_lib
-  from common import models, sampling
-  from common.data import spans, tokenizers
-  from common.hub import weights
-  from common.nn.transformer import EncoderDecoder
+  from nnx_zoo.common import config as config_lib
+  from nnx_zoo.common import models, sampling
+  from nnx_zoo.common.data import spans, tokenizers
+  from nnx_zoo.common.hub import weights
+  from nnx_zoo.common.nn.transformer import EncoderDecoder
 
   path = os.path.join(args.workdir, "config.json")
   if not os.path.exists(path):
@@ -236,13 +236,13 @@ def cmd_generate(args, _overrides):
 
 
 def cmd_convert(args, _overrides):
-  from common import hub
+  from nnx_zoo.common import hub
 
   print(json.dumps(hub.convert_hf(args.src, args.out, param_dtype=args.param_dtype)))
 
 
 def cmd_export(args, _overrides):
-  from common import hub
+  from nnx_zoo.common import hub
 
   print(json.dumps(hub.export_hf(args.workdir, args.out)))
 

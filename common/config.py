@@ -5,7 +5,7 @@ import json
 
 import ml_collections
 
-from common.errors import UserError, suggest
+from nnx_zoo.common.errors import UserError, suggest
 
 
 def preset(presets: dict, name: str, overrides: dict, *, family: str) -> dict:

@@ -4,7 +4,7 @@ import os
 
 import jax
 
-from common.errors import UserError
+from nnx_zoo.common.errors import UserError
 
 
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None):

@@ -7,11 +7,11 @@ import os
 
 import ml_collections
 
-from common import config as config_lib
-from common import mesh
-from common.errors import UserError, suggest
-from common.train import settings
-from experiments import REGISTRY
+from nnx_zoo.common import config as config_lib
+from nnx_zoo.common import mesh
+from nnx_zoo.common.errors import UserError, suggest
+from nnx_zoo.common.train import settings
+from nnx_zoo.experiments import REGISTRY
 
 # Keys every experiment has, so an override means the same thing everywhere (DESIGN.md).
 COMMON_KEYS = (
@@ -59,8 +59,8 @@ def load_module(name: str):
 def get_config(
   exp: str, overrides: dict[str, str] | None = None, *, hardware: str | None = None
 ) -> ml_collections.ConfigDict:
-  """The experiment's config; on `hardware` (see common.mesh.hardware_name), the first of its
-  `mesh_rules` that matches is applied first, then the command line's overrides."""
+  """The experiment's config; on `hardware` (see nnx_zoo.common.mesh.hardware_name), the first
+  of its `mesh_rules` that matches is applied first, then the command line's overrides."""
   name, arg = split_arg(exp)
   module = load_module(name)
   args = getattr(module, "ARGS", ("smoke",))

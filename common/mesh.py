@@ -6,7 +6,7 @@ import os
 
 import ml_collections
 
-from common.errors import UserError
+from nnx_zoo.common.errors import UserError
 
 # tensor last: the innermost axis gets the nearest devices (its collectives run every layer).
 AXES = ("data", "fsdp", "expert", "tensor")

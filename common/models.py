@@ -13,9 +13,9 @@ import jax
 import ml_collections
 from flax import nnx
 
-import zoo
-from common.errors import UserError, suggest
-from common.nn import lora
+from nnx_zoo import zoo
+from nnx_zoo.common.errors import UserError, suggest
+from nnx_zoo.common.nn import lora
 
 
 @functools.cache
@@ -23,8 +23,8 @@ def families() -> dict[str, str]:
   """family name -> the module that builds it, one for each `zoo/<family>/model.py`."""
   found = {}
   for info in pkgutil.iter_modules(zoo.__path__):
-    if info.ispkg and importlib.util.find_spec(f"zoo.{info.name}.model") is not None:
-      found[info.name] = f"zoo.{info.name}.model"
+    if info.ispkg and importlib.util.find_spec(f"nnx_zoo.zoo.{info.name}.model") is not None:
+      found[info.name] = f"nnx_zoo.zoo.{info.name}.model"
   return dict(sorted(found.items()))
 
 

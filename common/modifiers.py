@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-from common.nn import position
+from nnx_zoo.common.nn import position
 
 
 def replace(cfg, match: Callable, new: Callable):

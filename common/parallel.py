@@ -28,9 +28,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from common.errors import UserError
-from common.mesh import AXES
-from kernels import vma
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.mesh import AXES
+from nnx_zoo.kernels import vma
 
 # Logical axis -> mesh axis, or axes: a model dim D is stored sharded over `fsdp` and, in a
 # weight that has no experts dim, over `expert` too (as MaxText's rules do: with expert

@@ -1,11 +1,12 @@
 """`zoo plan`: an experiment's real train step compiled ahead of time for a TPU topology.
 
 No TPU is needed: libtpu (`pip install -e ".[tpu]"`) describes a slice's chips
-(`jax.experimental.topologies`), the step `zoo run` runs (`common.train.step.make_train_step`)
-is lowered on abstract inputs placed on a mesh of those chips, and XLA:TPU compiles it. The
-compiled program says what a device holds (`memory_analysis`) and how many FLOPs and bytes it
-moves (`cost_analysis`), from which a roofline gives the step time. `plan` returns those as a
-dict; `format` prints them; `zoo plan` exits 2 with the levers to pull when it does not fit.
+(`jax.experimental.topologies`), the step `zoo run` runs
+(`nnx_zoo.common.train.step.make_train_step`) is lowered on abstract inputs placed on a mesh of
+those chips, and XLA:TPU compiles it. The compiled program says what a device holds
+(`memory_analysis`) and how many FLOPs and bytes it moves (`cost_analysis`), from which a roofline
+gives the step time. `plan` returns those as a dict; `format` prints them; `zoo plan` exits 2 with
+the levers to pull when it does not fit.
 """
 
 import copy
@@ -18,8 +19,8 @@ import time
 
 import numpy as np
 
-from common import mesh
-from common.errors import UserError, suggest
+from nnx_zoo.common import mesh
+from nnx_zoo.common.errors import UserError, suggest
 
 GiB = 2**30
 
@@ -32,7 +33,7 @@ class Chip:
   hbm: int  # bytes
   peak: float  # dense bf16 FLOP/s
   bandwidth: float  # HBM bytes/s
-  kind: str  # jax's device_kind, as `common.mesh.hardware_name` reads it
+  kind: str  # jax's device_kind, as `nnx_zoo.common.mesh.hardware_name` reads it
   cores_per_chip: int  # what the Cloud name counts: v4 and v5p name TensorCores, two a chip
   dims: int  # 3-D torus (v4, v5p) or 2-D (v5e, v6e)
 
@@ -84,8 +85,8 @@ class Topology:
 
   @property
   def hardware(self) -> str:
-    """The name mesh rules match (`tpu-v5x64`), as `common.mesh.hardware_name` gives it on the
-    slice itself (one device per chip: v4 and v5p run as megacore)."""
+    """The name mesh rules match (`tpu-v5x64`), as `nnx_zoo.common.mesh.hardware_name` gives it
+    on the slice itself (one device per chip: v4 and v5p run as megacore)."""
     return f"{self.chip.kind.lower().replace(' ', '-')}x{self.chips}"
 
 
@@ -183,7 +184,7 @@ def model_flops(cfg) -> tuple[float, str]:
   tied to the output head) and 12 * layers * heads * head_dim * context per token for
   attention's two matmuls, with the full (not causally halved) context, capped by a window.
   Rematerialisation is not counted: this is the model's work, not the hardware's."""
-  from common import models
+  from nnx_zoo.common import models
 
   m = cfg.model
   params = models.num_active_params(m)
@@ -217,7 +218,7 @@ def kernel_flops(cfg) -> tuple[float, str]:
   4 H for the forward's two matmuls, 14 H for its backward (the dK/dV and dQ kernels each
   recompute the scores: seven matmuls), 4 H more for the forward that `model.remat=full`
   recomputes. (0, "") for any other attention."""
-  from common.nn import transformer
+  from nnx_zoo.common.nn import transformer
 
   m = cfg.model
   if "attention" not in m or "num_layers" not in m:
@@ -250,7 +251,7 @@ def abstract_batch(cfg, layout) -> dict:
   labels [B]; images [B, H, W, C] float32, labels and weights [B]."""
   import jax
 
-  from common.data import images, pipeline
+  from nnx_zoo.common.data import images, pipeline
 
   B, kind = cfg.train.batch_size, cfg.data.kind
   if kind in images.KINDS and "image_size" in cfg.model:
@@ -278,8 +279,8 @@ def abstract_batch(cfg, layout) -> dict:
 
 def _compile(cfg, layout):
   """(abstract state, compiled step) of `cfg` on `layout`: the step `zoo run` runs."""
-  from common.train import optim
-  from common.train import step as steps
+  from nnx_zoo.common.train import optim
+  from nnx_zoo.common.train import step as steps
 
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
   abstract, shardings = steps.placed_abstract_state(cfg, tx, layout)
@@ -328,9 +329,9 @@ def plan(cfg, topology: str | Topology, *, estimate_time: bool = True) -> dict:
   given: `config(exp, topology)` resolves an experiment with its mesh rule for this hardware."""
   import jax
 
-  from common import parallel
-  from common.train import optim
-  from common.train import step as steps
+  from nnx_zoo.common import parallel
+  from nnx_zoo.common.train import optim
+  from nnx_zoo.common.train import step as steps
 
   topo = topology if isinstance(topology, Topology) else parse_topology(topology)
   devs = devices(topo)
@@ -434,7 +435,7 @@ def fixes(cfg, sizes: dict[str, int]) -> list[str]:
       "--config.train.loss_chunk=4096 (the output head and loss 4,096 tokens at a time: no "
       "[tokens, vocab] logits alive)"
     )
-  from common import parallel
+  from nnx_zoo.common import parallel
 
   rows = cfg.train.batch_size // math.prod(sizes.get(a, 1) for a in parallel.BATCH_AXES)
   micro = cfg.train.micro_batches
@@ -448,7 +449,7 @@ def fixes(cfg, sizes: dict[str, int]) -> list[str]:
 
 def config(exp: str, topology: str | Topology, overrides: dict[str, str] | None = None):
   """The experiment's config on `topology`: its mesh rule for that hardware, then `overrides`."""
-  from common import experiments
+  from nnx_zoo.common import experiments
 
   topo = topology if isinstance(topology, Topology) else parse_topology(topology)
   return experiments.get_config(exp, overrides, hardware=topo.hardware)

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from common.errors import UserError
-from common.nn.transformer import EncoderDecoder
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn.transformer import EncoderDecoder
 
 
 def sample_logits(

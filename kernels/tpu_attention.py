@@ -1,10 +1,10 @@
 """Flash attention on TPU: jax's own Pallas TPU splash-attention kernel in the layer's layout.
 
-`attention(q_BTNH, k_BSKH, v_BSKH, ...)` computes what `common.nn.attention.attend` computes for
-the masks of `common.nn.attention.make_mask` (causal or not, a window W: the query and the W - 1
-keys before it, and after it if not causal; segment ids; GQA; logit soft-cap after the scale)
-with `jax.experimental.pallas.ops.tpu.splash_attention`, which never stores a [T, S] array and
-skips key blocks its mask rules out, forward and backward.
+`attention(q_BTNH, k_BSKH, v_BSKH, ...)` computes what `nnx_zoo.common.nn.attention.attend` computes
+for the masks of `nnx_zoo.common.nn.attention.make_mask` (causal or not, a window W: the query and
+the W - 1 keys before it, and after it if not causal; segment ids; GQA; logit soft-cap after the
+scale) with `jax.experimental.pallas.ops.tpu.splash_attention`, which never stores a [T, S] array
+and skips key blocks its mask rules out, forward and backward.
 
 Why splash alone, not also `pallas.ops.tpu.flash_attention`: that kernel needs as many key/value
 heads as query heads (GQA would repeat K and V), has no window and no soft-cap, and everything
@@ -17,7 +17,7 @@ there (tests/kernels/test_tpu_attention.py).
 
 Under `jax.shard_map` each device calls it on its own heads and rows (it has no collective),
 inside the trainer's check_vma shard_map too: jax's kernel does not type its outputs' varying
-mesh axes, which `kernels.vma.per_device` supplies.
+mesh axes, which `nnx_zoo.kernels.vma.per_device` supplies.
 """
 
 import functools
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-from kernels import vma
+from nnx_zoo.kernels import vma
 
 LANES = 128  # the kernel's blocks are multiples of this
 

@@ -9,15 +9,15 @@ kernels run only each row's own group, in either direction.
 
 On the CPU the kernels run in Pallas interpret mode (`interpret=True`): slow, but it is the same
 kernel, so the numerics are tested there (tests/kernels/test_tpu_gmm.py). Under `jax.shard_map`
-each device calls it on its own rows and experts (it has no collective); `kernels.vma.per_device`
-gives its outputs the mesh axes they vary over.
+each device calls it on its own rows and experts (it has no collective);
+`nnx_zoo.kernels.vma.per_device` gives its outputs the mesh axes they vary over.
 """
 
 import jax
 import jax.numpy as jnp
 
-from kernels import vma
-from kernels.tpu_attention import target_platform
+from nnx_zoo.kernels import vma
+from nnx_zoo.kernels.tpu_attention import target_platform
 
 # Rows and columns per tile, at most: each row tile reads its group's whole [k, n] weight, so
 # small row tiles re-read the weights often (MaxText's default tiles; megablox's own, 128 rows,

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from common import cli, experiments, models
-from experiments import REGISTRY
+from nnx_zoo.common import cli, experiments, models
+from nnx_zoo.experiments import REGISTRY
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = "lm/shakespeare-char:smoke"

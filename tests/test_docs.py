@@ -3,7 +3,7 @@
 import pathlib
 import re
 
-from experiments import REGISTRY
+from nnx_zoo.experiments import REGISTRY
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

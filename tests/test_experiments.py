@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import config as config_lib
-from common import experiments, models, modifiers
-from common.train import losses, trainer
-from experiments import DEFAULT, REGISTRY
+from nnx_zoo.common import config as config_lib
+from nnx_zoo.common import experiments, models, modifiers
+from nnx_zoo.common.train import losses, trainer
+from nnx_zoo.experiments import DEFAULT, REGISTRY
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
@@ -46,13 +46,13 @@ def test_registry_names_and_default():
     domain, _, short = name.partition("/")
     assert domain and short and "/" not in short and ":" not in name, name
     # The name says where the file is: lm/qwen3-0.6b -> experiments/lm/qwen3_0_6b.py.
-    expected = f"experiments.{domain}.{re.sub(r'[-.]', '_', short)}"
+    expected = f"nnx_zoo.experiments.{domain}.{re.sub(r'[-.]', '_', short)}"
     assert module == expected, f"{name} is registered as {module}, expected {expected}"
 
 
 def test_every_experiment_file_is_registered():
   files = {
-    ".".join(p.relative_to(ROOT).with_suffix("").parts)
+    ".".join(("nnx_zoo", *p.relative_to(ROOT).with_suffix("").parts))
     for p in (ROOT / "experiments").rglob("*.py")
     if p.name != "__init__.py"
   }
@@ -328,7 +328,7 @@ def test_zoo_defines_no_attention_rope_or_norm():
 # (h) The layout: what a family may import, and how deep common/ goes
 
 # A family composes the layers and names its config and HF weights: nothing else of common/.
-ZOO_MAY_IMPORT = ("common.nn", "common.config", "common.errors", "common.hub.keymap")
+ZOO_MAY_IMPORT = tuple(f"nnx_zoo.common.{m}" for m in ("nn", "config", "errors", "hub.keymap"))
 
 
 def imports_of(path: pathlib.Path) -> list[str]:
@@ -343,9 +343,9 @@ def imports_of(path: pathlib.Path) -> list[str]:
 
 def may_import(name: str) -> bool:
   """May a family's file import `name` (a module, or a module's attribute)?"""
-  if name.startswith("experiments") or name == "common":
+  if name.startswith("nnx_zoo.experiments") or name == "nnx_zoo.common":
     return False
-  if not name.startswith("common."):
+  if not name.startswith("nnx_zoo.common."):
     return True  # jax, flax, ml_collections, the family's own zoo/ modules
   return any(name == m or name.startswith(m + ".") for m in ZOO_MAY_IMPORT)
 
@@ -361,11 +361,14 @@ def test_zoo_imports_only_the_layers_and_config_helpers():
 
 def test_import_rule_catches_a_trainer_import(tmp_path):
   path = tmp_path / "model.py"
-  path.write_text("from common.train import trainer\nfrom common.nn import attention\n")
+  path.write_text(
+    "from nnx_zoo.common.train import trainer\nfrom nnx_zoo.common.nn import attention\n"
+  )
   names = imports_of(path)
-  assert names == ["common.train.trainer", "common.nn.attention"]
+  assert names == ["nnx_zoo.common.train.trainer", "nnx_zoo.common.nn.attention"]
   assert [may_import(n) for n in names] == [False, True]
-  assert not may_import("common.hub.weights") and may_import("common.hub.keymap.copy")
+  assert not may_import("nnx_zoo.common.hub.weights")
+  assert may_import("nnx_zoo.common.hub.keymap.copy")
 
 
 def test_common_is_at_most_two_levels_deep():

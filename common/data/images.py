@@ -15,8 +15,8 @@ import grain
 import ml_collections
 import numpy as np
 
-from common.data import pipeline
-from common.errors import UserError
+from nnx_zoo.common.data import pipeline
+from nnx_zoo.common.errors import UserError
 
 KINDS = ("digits", "npz")
 AUGMENTS = ("none", "shift", "affine")

@@ -19,8 +19,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from common.data import tokenizers
-from common.errors import UserError, suggest
+from nnx_zoo.common.data import tokenizers
+from nnx_zoo.common.errors import UserError, suggest
 
 # Documents
 

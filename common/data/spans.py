@@ -24,8 +24,8 @@ import grain
 import ml_collections
 import numpy as np
 
-from common.data import pipeline, tokenizers
-from common.errors import UserError
+from nnx_zoo.common.data import pipeline, tokenizers
+from nnx_zoo.common.errors import UserError
 
 
 def lengths(inputs_length: int, *, noise_density: float = 0.15, mean_span: float = 3.0):

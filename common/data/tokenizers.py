@@ -7,8 +7,8 @@ import os
 import ml_collections
 import numpy as np
 
-from common.errors import UserError
-from common.hub import paths
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub import paths
 
 KINDS = ("bytes", "hf", "gpt2", "sentencepiece")
 

@@ -1,12 +1,12 @@
 """Where weights come from and go to: zoo checkpoints (`checkpoint`), Hugging Face directories
 (`hf`, with the key-map vocabulary of `keymap`), and the entry points below.
 
-`common.hub.load(path)` is the Python entry point of DESIGN.md: the NNX model with its weights,
-from a zoo checkpoint or a Hugging Face directory.
+`nnx_zoo.common.hub.load(path)` is the Python entry point of DESIGN.md: the NNX model with its
+weights, from a zoo checkpoint or a Hugging Face directory.
 """
 
-from common.hub.hf import family_of, fetch, params_module, read_hf, read_hf_config
-from common.hub.weights import convert_hf, export_hf, load, read, read_zoo
+from nnx_zoo.common.hub.hf import family_of, fetch, params_module, read_hf, read_hf_config
+from nnx_zoo.common.hub.weights import convert_hf, export_hf, load, read, read_zoo
 
 __all__ = [
   "convert_hf",

@@ -16,8 +16,8 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
-from common.errors import UserError
-from common.train.faults import warn
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.train.faults import warn
 
 
 def directory(workdir: str) -> str:

@@ -10,8 +10,8 @@ How a family's weights are named and laid out on the HF side lives in `zoo/<fami
 - `config_from_hf(hf_config, names)` -> the zoo model config (`names`: the checkpoint's tensor
   names, for what config.json does not say), and `config_to_hf(cfg, model_type)` -> config.json
   (`model_type`: the source's on a round trip, kept when it fits);
-- `rules(cfg)`: a list of `common.hub.keymap.Rule`s, each moving one HF tensor to one or more
-  zoo parameters and back, with HF names as `export_hf` writes them.
+- `rules(cfg)`: a list of `nnx_zoo.common.hub.keymap.Rule`s, each moving one HF tensor to one or
+  more zoo parameters and back, with HF names as `export_hf` writes them.
 
 This module reads the files, checks every name and shape against the rules before touching a
 tensor, and reports every problem in one UserError.
@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from common import models
-from common.errors import UserError
-from common.hub.keymap import Rule, hf_names
+from nnx_zoo.common import models
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub.keymap import Rule, hf_names
 
 TOKENIZER_FILES = (
   "tokenizer.json",

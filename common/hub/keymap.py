@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
-from common.errors import UserError
-from common.nn.patch import conv_from_kernel, kernel_from_conv
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn.patch import conv_from_kernel, kernel_from_conv
 
 # Key maps
 

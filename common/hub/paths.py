@@ -5,7 +5,7 @@ way on every machine."""
 import importlib.util
 import os
 
-from common.errors import UserError
+from nnx_zoo.common.errors import UserError
 
 PREFIX = "pkg:"
 

@@ -14,13 +14,13 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from common import config as config_lib
-from common import models
-from common.data import tokenizers as tokenizers_lib
-from common.errors import UserError
-from common.hub import checkpoint, paths
-from common.hub.hf import NOT_KEPT, TOKENIZER_FILES, fetch, params_module, read_hf, to_hf
-from common.nn import lora, memory
+from nnx_zoo.common import config as config_lib
+from nnx_zoo.common import models
+from nnx_zoo.common.data import tokenizers as tokenizers_lib
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub import checkpoint, paths
+from nnx_zoo.common.hub.hf import NOT_KEPT, TOKENIZER_FILES, fetch, params_module, read_hf, to_hf
+from nnx_zoo.common.nn import lora, memory
 
 
 def is_zoo_checkpoint(path: str) -> bool:

@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from common import parallel
-from common.errors import UserError
-from common.nn import norms
-from common.nn.linear import Linear
-from common.nn.position import Position
-from kernels import flash_attention, tpu_attention
+from nnx_zoo.common import parallel
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import norms
+from nnx_zoo.common.nn.linear import Linear
+from nnx_zoo.common.nn.position import Position
+from nnx_zoo.kernels import flash_attention, tpu_attention
 
 MASKS = ("causal", "bidirectional")
 IMPLS = ("xla", "flash", "cudnn")

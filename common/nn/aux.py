@@ -7,8 +7,8 @@ that added it) to the loss it differentiates, and logs each mean by name in metr
 weight of 0 logs a number without training on it (an expert load, say).
 
 Values must not leak out of a `jax.lax.scan` or `jax.checkpoint` body as tracers: the shared
-stack (`common.nn.memory.run_blocks`) collects inside each body with `collect()`, returns what
-it got as an output of the body, and adds it outside with `add_collected`.
+stack (`nnx_zoo.common.nn.memory.run_blocks`) collects inside each body with `collect()`, returns
+what it got as an output of the body, and adds it outside with `add_collected`.
 """
 
 import contextlib

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from common import parallel
+from nnx_zoo.common import parallel
 
 Axes = tuple[str | None, ...]
 

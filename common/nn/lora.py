@@ -3,7 +3,7 @@
 A LoRA projection computes `x @ W + (alpha / rank) * (x @ A) @ B`, with `A` [in, rank] random and
 `B` [rank, out] zero at the start, so a fresh adapter changes nothing. Which projections get one
 is a config value (`model.lora.targets`: patterns on the module path, e.g. "attn.q,attn.v" or
-"mlp.*"), applied to any family after it is built (`common.models.build`); the family's
+"mlp.*"), applied to any family after it is built (`nnx_zoo.common.models.build`); the family's
 `model.py` never mentions LoRA. With `model.lora.rank > 0` the trainer updates only the adapter
 weights (and the parameters `model.lora.train` names, e.g. a new classifier head): the optimizer
 holds no state for the rest and no gradient is computed for it. `merge` folds the adapters into
@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from common import parallel
-from common.errors import UserError
-from common.nn.linear import Linear
+from nnx_zoo.common import parallel
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn.linear import Linear
 
 
 class LoRAParam(nnx.Param):

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from common.errors import UserError
-from common.nn import aux
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import aux
 
 # none: keep every activation; full: keep only each block's input and recompute the rest;
 # save_dots: keep the matmul outputs (cheap to store, dear to recompute), recompute the rest.

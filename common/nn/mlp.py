@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from common.errors import UserError, suggest
-from common.nn.linear import Linear
+from nnx_zoo.common.errors import UserError, suggest
+from nnx_zoo.common.nn.linear import Linear
 
 ACTIVATIONS: dict[str, Callable] = {
   "swiglu": jax.nn.silu,  # Llama, Mistral, Qwen

@@ -70,11 +70,11 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from common import parallel
-from common.errors import UserError, suggest
-from common.nn import aux, mlp
-from common.nn.linear import Linear, normal
-from kernels import tpu_attention, tpu_gmm
+from nnx_zoo.common import parallel
+from nnx_zoo.common.errors import UserError, suggest
+from nnx_zoo.common.nn import aux, mlp
+from nnx_zoo.common.nn.linear import Linear, normal
+from nnx_zoo.kernels import tpu_attention, tpu_gmm
 
 ROUTERS = ("softmax_topk",)
 IMPLS = ("auto", "gmm", "ragged", "blocked", "loop")

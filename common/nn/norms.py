@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from common.errors import UserError
+from nnx_zoo.common.errors import UserError
 
 
 class RMSNorm(nnx.Module):

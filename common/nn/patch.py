@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from common.errors import UserError
-from common.nn.linear import Linear
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn.linear import Linear
 
 
 def kernel_from_conv(w_DCpp: jax.Array) -> jax.Array:

@@ -14,9 +14,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from common import parallel
-from common.errors import UserError
-from common.nn.linear import normal
+from nnx_zoo.common import parallel
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn.linear import normal
 
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from common.errors import UserError
-from common.nn import (
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import (
   attention,
   lora,
   memory,
@@ -41,8 +41,8 @@ from common.nn import (
   norms,
   position,
 )
-from common.nn.linear import Embedding, Linear, dtypes, normal
-from common.nn.patch import PatchEmbed
+from nnx_zoo.common.nn.linear import Embedding, Linear, dtypes, normal
+from nnx_zoo.common.nn.patch import PatchEmbed
 
 NORM_PLACEMENTS = ("pre", "post", "both")
 # What a layer kind may change: fields of the attention config (merged), the position encoding

@@ -15,7 +15,7 @@ P is the projection dim; B this device's rows, N the rows of the global batch.
 import jax
 import jax.numpy as jnp
 
-from common import parallel
+from nnx_zoo.common import parallel
 
 
 def _varying(x) -> frozenset:

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from common.errors import Preempted, UserError
+from nnx_zoo.common.errors import Preempted, UserError
 
 NONFINITE_POLICIES = ("skip", "stop")
 

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from common import parallel
-from common.errors import UserError
-from common.nn.transformer import EncoderDecoder
-from common.train import contrastive
+from nnx_zoo.common import parallel
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn.transformer import EncoderDecoder
+from nnx_zoo.common.train import contrastive
 
 
 def cross_entropy_and_grad(logits_MV: jax.Array, targets_M: jax.Array):
@@ -54,7 +54,7 @@ def head_cross_entropy_sum(
 
   `head` is the module holding the model's output projection (its `lm_head`, or the embedding
   whose `attend` is the tied head) and `project(head, x)` the logits it gives, soft-cap
-  included (`common.nn.transformer.Decoder.output_head`); its parameters and `x_MD` get
+  included (`nnx_zoo.common.nn.transformer.Decoder.output_head`); its parameters and `x_MD` get
   gradients, `targets_M` and `weights_M` not.
   """
   M, D = x_MD.shape

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from common.errors import UserError
+from nnx_zoo.common.errors import UserError
 
 
 def decay_mask(params):

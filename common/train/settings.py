@@ -3,7 +3,7 @@ every experiment accepts every trainer key and an experiment file sets only what
 
 import ml_collections
 
-from common.errors import UserError, suggest
+from nnx_zoo.common.errors import UserError, suggest
 
 TRAIN = {
   "steps": 1000,

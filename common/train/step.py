@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from common import models, parallel
-from common.nn import aux, lora
-from common.train import faults, losses
+from nnx_zoo.common import models, parallel
+from nnx_zoo.common.nn import aux, lora
+from nnx_zoo.common.train import faults, losses
 
 
 @jax.tree_util.register_dataclass

@@ -16,15 +16,15 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from common import config as config_lib
-from common import mesh, models, parallel
-from common.data import images, pipeline, spans, tokenizers
-from common.errors import UserError
-from common.hub import checkpoint, weights
-from common.nn import memory
-from common.train import faults, optim
-from common.train import step as steps
-from common.train.metrics import MetricsLog
+from nnx_zoo.common import config as config_lib
+from nnx_zoo.common import mesh, models, parallel
+from nnx_zoo.common.data import images, pipeline, spans, tokenizers
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub import checkpoint, weights
+from nnx_zoo.common.nn import memory
+from nnx_zoo.common.train import faults, optim
+from nnx_zoo.common.train import step as steps
+from nnx_zoo.common.train.metrics import MetricsLog
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:

@@ -15,10 +15,10 @@ Data:      Shakespeare as UTF-8 bytes. The speed of a step does not depend on wh
 
 import ml_collections
 
-from common import mesh
-from common.data import pipeline, tokenizers
-from common.train import settings
-from zoo.llama import model as llama
+from nnx_zoo.common import mesh
+from nnx_zoo.common.data import pipeline, tokenizers
+from nnx_zoo.common.train import settings
+from nnx_zoo.zoo.llama import model as llama
 
 # The Hugging Face config this experiment's model equals (tests/experiments/test_llama_19m.py),
 # which the benchmarks build the PyTorch side from.

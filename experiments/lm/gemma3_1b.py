@@ -14,10 +14,10 @@ Data:      text files (one document each) or .jsonl files (field `text`), comma-
 
 import ml_collections
 
-from common import mesh
-from common.data import pipeline, tokenizers
-from common.train import settings
-from zoo.gemma import model as gemma
+from nnx_zoo.common import mesh
+from nnx_zoo.common.data import pipeline, tokenizers
+from nnx_zoo.common.train import settings
+from nnx_zoo.zoo.gemma import model as gemma
 
 
 def get_config(arg=None):

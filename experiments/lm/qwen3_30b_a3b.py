@@ -11,10 +11,10 @@ Data:      text files (one document each) or .jsonl files (field `text`), comma-
 
 import ml_collections
 
-from common import mesh
-from common.data import pipeline, tokenizers
-from common.train import settings
-from zoo.llama import model as llama
+from nnx_zoo.common import mesh
+from nnx_zoo.common.data import pipeline, tokenizers
+from nnx_zoo.common.train import settings
+from nnx_zoo.zoo.llama import model as llama
 
 
 def get_config(arg=None):

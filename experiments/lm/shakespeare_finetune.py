@@ -15,11 +15,11 @@ Data:      Hamlet, held out of lm/shakespeare-char's training: its first 90% tra
 
 import ml_collections
 
-from common import mesh
-from common.data import pipeline, tokenizers
-from common.train import settings
-from experiments.lm import shakespeare_char
-from zoo.llama import model as llama
+from nnx_zoo.common import mesh
+from nnx_zoo.common.data import pipeline, tokenizers
+from nnx_zoo.common.train import settings
+from nnx_zoo.experiments.lm import shakespeare_char
+from nnx_zoo.zoo.llama import model as llama
 
 
 def get_config(arg=None):

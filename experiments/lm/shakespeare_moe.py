@@ -16,10 +16,10 @@ Expected:  held-out 1.577-1.579 nats per character at step 900 (dense: 1.58) and
 
 import ml_collections
 
-from common import mesh
-from common.data import pipeline, tokenizers
-from common.train import settings
-from zoo.llama import model as llama
+from nnx_zoo.common import mesh
+from nnx_zoo.common.data import pipeline, tokenizers
+from nnx_zoo.common.train import settings
+from nnx_zoo.zoo.llama import model as llama
 
 
 def get_config(arg=None):

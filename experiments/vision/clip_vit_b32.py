@@ -16,10 +16,10 @@ Data:      .npz files of `images` [N, 224, 224, 3] and digit `labels` [N] (0-9: 
 
 import ml_collections
 
-from common import mesh
-from common.data import images
-from common.train import settings
-from zoo.clip import model as clip
+from nnx_zoo.common import mesh
+from nnx_zoo.common.data import images
+from nnx_zoo.common.train import settings
+from nnx_zoo.zoo.clip import model as clip
 
 
 def get_config(arg=None):

@@ -16,10 +16,10 @@ Data:      .npz files of `images` [N, 224, 224, 3] (uint8, or floats in [0, 1]) 
 
 import ml_collections
 
-from common import mesh
-from common.data import images
-from common.train import settings
-from zoo.vit import model as vit
+from nnx_zoo.common import mesh
+from nnx_zoo.common.data import images
+from nnx_zoo.common.train import settings
+from nnx_zoo.zoo.vit import model as vit
 
 
 def get_config(arg=None):

@@ -23,10 +23,10 @@ Data:      the 1,797 8x8 grey digits of `sklearn.datasets.load_digits`; the firs
 
 import ml_collections
 
-from common import mesh
-from common.data import images
-from common.train import settings
-from zoo.vit import model as vit
+from nnx_zoo.common import mesh
+from nnx_zoo.common.data import images
+from nnx_zoo.common.train import settings
+from nnx_zoo.zoo.vit import model as vit
 
 
 def get_config(arg=None):

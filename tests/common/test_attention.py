@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common.errors import UserError
-from common.nn import attention, position
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import attention, position
 
 # ---------------------------------------------------------------------------------------------
 # Independent references (numpy, float64, one head at a time).

@@ -3,9 +3,9 @@
 import ml_collections
 import pytest
 
-from common import config as config_lib
-from common import experiments
-from common.errors import UserError
+from nnx_zoo.common import config as config_lib
+from nnx_zoo.common import experiments
+from nnx_zoo.common.errors import UserError
 
 
 def make_cfg() -> ml_collections.ConfigDict:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common.train import contrastive
+from nnx_zoo.common.train import contrastive
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -86,8 +86,8 @@ SHARDED = textwrap.dedent(
   """
   import json, sys
   import jax, jax.numpy as jnp, numpy as np
-  from common import parallel
-  from common.train import contrastive
+  from nnx_zoo.common import parallel
+  from nnx_zoo.common.train import contrastive
 
   P = parallel.P
   k1, k2 = jax.random.split(jax.random.key(0))
@@ -158,7 +158,7 @@ SHARDED = textwrap.dedent(
 def sharded_results():
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   proc = subprocess.run(
-    [sys.executable, "-c", SHARDED], cwd=ROOT, env=env, capture_output=True, text=True
+    [sys.executable, "-P", "-c", SHARDED], cwd=ROOT, env=env, capture_output=True, text=True
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])

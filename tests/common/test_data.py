@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from common.data import pipeline, tokenizers
-from common.errors import UserError
+from nnx_zoo.common.data import pipeline, tokenizers
+from nnx_zoo.common.errors import UserError
 
 # Packing
 

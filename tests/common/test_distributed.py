@@ -2,8 +2,8 @@
 
 import pytest
 
-from common import distributed
-from common.errors import UserError
+from nnx_zoo.common import distributed
+from nnx_zoo.common.errors import UserError
 
 
 def test_no_flags_and_no_launcher_is_a_single_process(monkeypatch):

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import cli, experiments
-from common.data import pipeline
-from common.errors import Preempted, UserError
-from common.hub import checkpoint, weights
-from common.train import faults, losses, metrics, optim, trainer
-from common.train import step as steps
+from nnx_zoo.common import cli, experiments
+from nnx_zoo.common.data import pipeline
+from nnx_zoo.common.errors import Preempted, UserError
+from nnx_zoo.common.hub import checkpoint, weights
+from nnx_zoo.common.train import faults, losses, metrics, optim, trainer
+from nnx_zoo.common.train import step as steps
 
 SMOKE = "lm/shakespeare-char:smoke"
 BASE = {

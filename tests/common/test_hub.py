@@ -13,16 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 from flax import nnx
-from safetensors.torch import load_file, save_file
 
-from common import cli, experiments, hub
-from common.errors import UserError
-from common.hub import weights
-from common.train import optim, trainer
-from common.train import step as steps
+from nnx_zoo.common import cli, experiments, hub
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub import weights
+from nnx_zoo.common.train import optim, trainer
+from nnx_zoo.common.train import step as steps
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402  (needs torch)
 
 # fp32 on both sides; measured max |diff| is about 1e-5 on logits of magnitude ~5 (see the
 # printed values with -s), so 1e-4 leaves room for other BLAS builds and nothing more.
@@ -602,8 +603,8 @@ def test_fine_tune_from_an_hf_dir_trains_the_classifier(tmp_path):
 
 @pytest.mark.parametrize("family,name", [("gpt2", "GPT-2"), ("bert", "BERT")])
 def test_export_refuses_settings_the_hf_class_lacks(family, name):
-  from common import models
-  from common.nn import position
+  from nnx_zoo.common import models
+  from nnx_zoo.common.nn import position
 
   mod = hub.params_module(family)
   cfg = models.family_module(family).config("tiny")

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import cli, experiments, models
-from common.data import images
-from common.hub import weights
-from common.train import losses, metrics, trainer
-from zoo.clip import model as clip
+from nnx_zoo.common import cli, experiments, models
+from nnx_zoo.common.data import images
+from nnx_zoo.common.hub import weights
+from nnx_zoo.common.train import losses, metrics, trainer
+from nnx_zoo.zoo.clip import model as clip
 
 VIT, CLIP = "vision/vit-digits:smoke", "vision/clip-digits:smoke"
 # As tests/common/test_trainer.py: a schedule that does not depend on train.steps, no eval.
@@ -124,7 +124,7 @@ def test_caption_tokens_and_their_length():
   tokens = images.encode_texts(["a 7"], 6)
   assert tokens.tolist() == [[images.TEXT_START, 97, 32, 55, images.TEXT_END, 0]]
   assert images.TEXT_END == images.TEXT_VOCAB - 1  # the largest id: CLIP pools at the argmax
-  from zoo.clip import model as clip
+  from nnx_zoo.zoo.clip import model as clip
 
   assert clip.PRESETS["tiny"]["text"]["vocab_size"] == images.TEXT_VOCAB
   with pytest.raises(Exception, match="data.caption_len=4"):

@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from common.data import images
-from common.errors import UserError
+from nnx_zoo.common.data import images
+from nnx_zoo.common.errors import UserError
 
 load_digits = pytest.importorskip("sklearn.datasets").load_digits
 

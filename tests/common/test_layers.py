@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common.errors import UserError
-from common.nn import mlp, norms
-from common.nn.linear import Embedding, Linear
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import mlp, norms
+from nnx_zoo.common.nn.linear import Embedding, Linear
 
 
 def randn(seed, shape, scale=1.0):

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import experiments, hub, models
-from common.errors import UserError
-from common.hub import weights
-from common.nn import lora
-from common.train import optim, trainer
-from common.train import step as steps
-from zoo.bert import model as bert
-from zoo.llama import model as llama
+from nnx_zoo.common import experiments, hub, models
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub import weights
+from nnx_zoo.common.nn import lora
+from nnx_zoo.common.train import optim, trainer
+from nnx_zoo.common.train import step as steps
+from nnx_zoo.zoo.bert import model as bert
+from nnx_zoo.zoo.llama import model as llama
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)), jnp.int32)
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import models
-from common.train import losses
-from zoo.llama import model as llama
+from nnx_zoo.common import models
+from nnx_zoo.common.train import losses
+from nnx_zoo.zoo.llama import model as llama
 
 
 def batch(vocab: int, B: int = 3, T: int = 13):

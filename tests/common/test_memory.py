@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import models, sampling
-from common.errors import UserError
-from common.nn import lora
-from common.train import step as steps
-from zoo.bert import model as bert
-from zoo.gpt2 import model as gpt2
-from zoo.llama import model as llama
+from nnx_zoo.common import models, sampling
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import lora
+from nnx_zoo.common.train import step as steps
+from nnx_zoo.zoo.bert import model as bert
+from nnx_zoo.zoo.gpt2 import model as gpt2
+from nnx_zoo.zoo.llama import model as llama
 
 
 def sums_and_grads(*args, **kw):
@@ -137,7 +137,7 @@ def test_scan_trains_the_same():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_decoding_with_scan_equals_without(family):
-  """Decoding runs the blocks one by one (see common.memory.run_blocks): same tokens, same
+  """Decoding runs the blocks one by one (see nnx_zoo.common.memory.run_blocks): same tokens, same
   cache, and the prefill logits equal the scanned full forward."""
   cfg = FAMILIES[family].config("tiny")
   plain, scanned = models.build(cfg), models.build(with_scan(cfg))

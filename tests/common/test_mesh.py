@@ -3,8 +3,8 @@
 import ml_collections
 import pytest
 
-from common import mesh
-from common.errors import UserError
+from nnx_zoo.common import mesh
+from nnx_zoo.common.errors import UserError
 
 
 def cfg(data, fsdp, tensor):
@@ -74,7 +74,7 @@ def test_first_matching_rule_wins():
 
 
 def test_experiment_mesh_rule_applies_before_command_line_overrides():
-  from common import experiments
+  from nnx_zoo.common import experiments
 
   h100 = "gpu-nvidia-h100-80gb-hbm3x8"
   cfg = experiments.get_config("lm/llama3-8b", hardware=h100)
@@ -87,7 +87,7 @@ def test_experiment_mesh_rule_applies_before_command_line_overrides():
 
 
 def test_zoo_show_says_which_rule_applies_and_why(capsys):
-  from common import cli
+  from nnx_zoo.common import cli
 
   assert cli.main(["show", "lm/llama3-8b", "--mesh-rule", "tpu-v5x64"]) == 0
   out = capsys.readouterr().out
@@ -97,7 +97,7 @@ def test_zoo_show_says_which_rule_applies_and_why(capsys):
 def test_tpu_rules_name_the_hardware_of_each_64_chip_slice():
   """Each rule's pattern is the hardware name `zoo plan` (and jax's devices) give that slice,
   so a recipe's TPU rule is the one a real or planned slice picks."""
-  from common import plan
+  from nnx_zoo.common import plan
 
   rules = dict(mesh.tpu_rules(v5p=2, v4=8, v6e=8, v5e=16))
   for cloud in ("v5p-128", "v4-128", "v6e-64", "v5e-64"):
@@ -129,7 +129,7 @@ def test_tpu_rules_max_tensor_moves_chips_to_fsdp():
 def test_tpu_rules_for_larger_slices_and_experts():
   """chips: a larger slice's extra chips go to fsdp, under that slice's own hardware name;
   expert: chips taken from fsdp, every chip still used; a size with no room is refused."""
-  from common import plan
+  from nnx_zoo.common import plan
 
   ((name, big),) = mesh.tpu_rules(v5e=8, chips=256)
   assert name == plan.parse_topology("v5e-256").hardware

@@ -2,6 +2,7 @@
 gradients), the load-balancing loss against transformers, capacity dropping, a mesh changing
 no loss."""
 
+import inspect
 import json
 import os
 import pathlib
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common.errors import UserError
-from common.nn import aux, mlp, moe
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import aux, mlp, moe
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 D, F = 8, 12
@@ -233,7 +234,7 @@ def test_load_balance_loss_equals_transformers(with_mask):
 def test_stack_passes_the_padding_mask_to_the_aux_losses():
   """In a Llama MoE decoder, tokens of segment 0 (padding) count in no aux statistic: changing
   them changes no aux loss (the real tokens never attend to them)."""
-  from zoo.llama import model as llama
+  from nnx_zoo.zoo.llama import model as llama
 
   cfg = llama.config("tiny", num_experts=4, top_k=2, router_aux_coef=0.02, router_z_coef=0.01)
   graphdef, params = nnx.split(fill(nnx.eval_shape(lambda: llama.Model(cfg, rngs=nnx.Rngs(0)))))
@@ -308,9 +309,9 @@ SHARDED = """
 import json
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
-from common import parallel
-from common.nn import aux, moe
-from tests.common.test_moe import fill
+from nnx_zoo.common import parallel
+from nnx_zoo.common.nn import aux, moe
+# fill(), as defined in this file above
 
 def objective(model, x, dy, mask):
   with aux.collect() as entries:
@@ -373,7 +374,16 @@ def test_mesh_changes_no_loss():
   expert-parallel all-to-alls drop nothing."""
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
   proc = subprocess.run(
-    [sys.executable, "-c", SHARDED], cwd=ROOT, env=env, capture_output=True, text=True
+    [
+      sys.executable,
+      "-P",
+      "-c",
+      SHARDED.replace("# fill(), as defined in this file above\n", inspect.getsource(fill)),
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   results = json.loads(proc.stdout.strip().splitlines()[-1])

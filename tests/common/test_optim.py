@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from common.train import optim
+from nnx_zoo.common.train import optim
 
 HYPER = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10, 1e-3)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common.errors import UserError
-from common.nn import patch as patch_lib
-from common.nn.patch import PatchEmbed
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import patch as patch_lib
+from nnx_zoo.common.nn.patch import PatchEmbed
 
 
 def conv_reference(images_BHWC, w_DCpp, b_D, p):

@@ -6,9 +6,9 @@ import importlib.util
 
 import pytest
 
-from common import cli, mesh, plan
-from common.errors import UserError
-from experiments import REGISTRY
+from nnx_zoo.common import cli, mesh, plan
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.experiments import REGISTRY
 
 
 def test_cloud_and_jax_names():
@@ -69,7 +69,7 @@ def test_show_names_the_mesh_rule_a_topology_picks(capsys):
 
 
 def test_fixes_name_the_levers_not_yet_pulled():
-  from common import experiments
+  from nnx_zoo.common import experiments
 
   cfg = experiments.get_config("lm/llama3-8b", {"mesh.data": "4", "mesh.fsdp": "16"})
   fixes = " ".join(plan.fixes(cfg, mesh.resolve(cfg.mesh, 64)))
@@ -96,7 +96,7 @@ def test_fixes_name_the_levers_not_yet_pulled():
 
 
 def test_model_flops_is_6_params_tokens_plus_attention():
-  from common import experiments, models
+  from nnx_zoo.common import experiments, models
 
   cfg = experiments.get_config("lm/llama3-8b")
   m, tokens = cfg.model, cfg.train.batch_size * cfg.data.seq_len
@@ -110,7 +110,7 @@ def test_model_flops_is_6_params_tokens_plus_attention():
 def test_score_pairs_count_what_the_attention_mask_lets_through(causal, window):
   import jax.numpy as jnp
 
-  from common.nn import attention
+  from nnx_zoo.common.nn import attention
 
   T = 37
   idx, seg = jnp.arange(T), jnp.ones((1, T), jnp.int32)
@@ -139,7 +139,7 @@ def test_kernel_flops_count_splash_attention_only_where_it_runs():
 
 def test_model_flops_of_a_mixture_of_experts_count_the_active_parameters():
   """Mixtral 8x7B computes with 12.9 B of its 46.7 B parameters a token (transformers' counts)."""
-  from common import experiments
+  from nnx_zoo.common import experiments
 
   cfg = experiments.get_config("lm/mixtral-8x7b")
   m, tokens = cfg.model, cfg.train.batch_size * cfg.data.seq_len
@@ -202,7 +202,7 @@ def test_moe_auto_impl_is_chosen_for_the_slice_not_this_host():
   import jax
   import numpy as np
 
-  from common.nn import moe
+  from nnx_zoo.common.nn import moe
 
   assert moe.resolve_impl("auto") == "blocked"  # this CPU
   devices = plan.devices(plan.parse_topology("v5e:2x2"))
@@ -304,8 +304,8 @@ FLASH_RECIPES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("name,overrides", FLASH_RECIPES)
 def test_flash_attention_train_step_compiles_for_tpu(name, overrides, caplog):
-  from common import parallel
-  from common.nn import attention
+  from nnx_zoo.common import parallel
+  from nnx_zoo.common.nn import attention
 
   attention._logged.clear()
   topology = plan.parse_topology("v5e:2x2")
@@ -329,7 +329,7 @@ def test_moe_train_step_runs_megablox_on_tpu(sizes):
   """The MoE recipes' step for a TPU slice runs megablox's grouped matmuls (kernels/tpu_gmm.py),
   forward and backward, inside the trainer's check_vma shard_map, with or without experts split
   over devices; never ragged-dot (whose weight gradient XLA:TPU runs densely over all experts)."""
-  from common import parallel
+  from nnx_zoo.common import parallel
 
   topology = plan.parse_topology("v5e:2x2")
   overrides = {f"mesh.{a}": str(sizes.get(a, 1)) for a in mesh.AXES}

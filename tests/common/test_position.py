@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common.errors import UserError
-from common.nn import position
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import position
 
 # ---------------------------------------------------------------------------------------------
 # Independent references, written after Hugging Face transformers' modeling_rope_utils.py and

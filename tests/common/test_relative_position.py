@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common.errors import UserError
-from common.nn import position
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import position
 
 torch = pytest.importorskip("torch")
 t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
@@ -104,8 +104,8 @@ TENSOR_SPLIT = textwrap.dedent(
   """
   import jax, jax.numpy as jnp, numpy as np
   from flax import nnx
-  from common import parallel
-  from common.nn import position
+  from nnx_zoo.common import parallel
+  from nnx_zoo.common.nn import position
 
   N, T = 4, 6
   cfg = position.config("relative", num_buckets=8, max_distance=16, bidirectional=False)
@@ -148,7 +148,7 @@ def test_heads_split_over_tensor_give_each_device_its_heads():
   attention's `local_heads`), and the table's gradient equals one device's."""
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
   proc = subprocess.run(
-    [sys.executable, "-c", TENSOR_SPLIT], cwd=ROOT, env=env, capture_output=True, text=True
+    [sys.executable, "-P", "-c", TENSOR_SPLIT], cwd=ROOT, env=env, capture_output=True, text=True
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.strip().endswith("ok")

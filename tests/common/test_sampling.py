@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import sampling
+from nnx_zoo.common import sampling
 
 
 def test_sample_logits_temperature_zero_and_top_k_one_are_argmax():

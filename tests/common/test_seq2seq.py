@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import cli, config, experiments, models
-from common.data import spans, tokenizers
-from common.errors import UserError
-from common.train import losses, trainer
-from zoo.t5 import model as t5
+from nnx_zoo.common import cli, config, experiments, models
+from nnx_zoo.common.data import spans, tokenizers
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.train import losses, trainer
+from nnx_zoo.zoo.t5 import model as t5
 
 SMOKE = "seq2seq/shakespeare-spans:smoke"
 # A constant schedule after a fixed warm-up does not depend on train.steps, so a run extended
@@ -109,7 +109,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.slow
 def test_resume_gives_the_same_losses_and_params(reference, tmp_path):
-  from common.hub import weights
+  from nnx_zoo.common.hub import weights
 
   workdir = str(tmp_path / "run")
   trainer.train(smoke_config({"train.steps": "4"}), workdir, progress=False)

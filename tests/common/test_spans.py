@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from common.data import spans
-from common.errors import UserError
+from nnx_zoo.common.data import spans
+from nnx_zoo.common.errors import UserError
 
 V = 1000  # vocab: ids 0..V-1, the top ones sentinels
 FLOOR = 800  # rows use ids below it; no row here has 200 spans

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import models
-from common.errors import UserError
-from common.nn import attention, aux, mlp, norms
-from common.train import step as steps
-from zoo.gemma import model as gemma
-from zoo.llama import model as llama
+from nnx_zoo.common import models
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import attention, aux, mlp, norms
+from nnx_zoo.common.train import step as steps
+from nnx_zoo.zoo.gemma import model as gemma
+from nnx_zoo.zoo.llama import model as llama
 
 
 @mlp.register("toy_l2")
@@ -90,8 +90,8 @@ def test_aux_add_without_a_collector_does_nothing_and_weights_must_agree():
 def test_the_trainer_logs_aux_losses_by_name(tmp_path):
   import json
 
-  from common import experiments
-  from common.train import trainer
+  from nnx_zoo.common import experiments
+  from nnx_zoo.common.train import trainer
 
   cfg = experiments.get_config(
     "lm/shakespeare-char:smoke", {"train.steps": "2", "train.eval_every": "0"}

@@ -5,8 +5,8 @@ import re
 import numpy as np
 import pytest
 
-from common.data import tokenizers
-from common.errors import UserError
+from nnx_zoo.common.data import tokenizers
+from nnx_zoo.common.errors import UserError
 
 TEXT = "Hello world: héllo, naïve café, 世界 🙂\nSecond line."
 

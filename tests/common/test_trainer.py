@@ -15,14 +15,14 @@ import optax
 import pytest
 from flax import nnx
 
-from common import config as config_lib
-from common import experiments, models
-from common.data import pipeline
-from common.errors import UserError
-from common.hub import checkpoint, weights
-from common.train import losses, metrics, optim, settings, trainer
-from common.train import step as steps
-from zoo.llama import model as llama
+from nnx_zoo.common import config as config_lib
+from nnx_zoo.common import experiments, models
+from nnx_zoo.common.data import pipeline
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub import checkpoint, weights
+from nnx_zoo.common.train import losses, metrics, optim, settings, trainer
+from nnx_zoo.common.train import step as steps
+from nnx_zoo.zoo.llama import model as llama
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = "lm/shakespeare-char:smoke"
@@ -381,7 +381,7 @@ def test_upgrade_reads_an_old_model_config_as_today():
 def test_a_run_saved_before_the_shared_stack_resumes_and_loads(reference, tmp_path):
   """A workdir whose config.json and checkpoint meta hold the old model config resumes with the
   same losses, and `zoo eval`/`zoo generate`/`hub.load` read its checkpoint."""
-  from common import hub
+  from nnx_zoo.common import hub
 
   workdir = str(tmp_path / "run")
   trainer.train(smoke_config({"train.steps": "4"}), workdir, progress=False)
@@ -411,7 +411,7 @@ def test_a_run_saved_before_the_shared_stack_resumes_and_loads(reference, tmp_pa
 def test_every_experiment_accepts_every_trainer_key(key):
   """The trainer's keys are declared once (common/train/settings.py): every registered
   experiment takes an override of each, e.g. --config.train.loss_chunk=512."""
-  from experiments import REGISTRY
+  from nnx_zoo.experiments import REGISTRY
 
   group, _, key = key.rpartition(".")
   group = group or "train"

@@ -2,8 +2,8 @@
 
 import pytest
 
-from common import experiments, models
-from experiments.bench.llama_19m import HF_CONFIG
+from nnx_zoo.common import experiments, models
+from nnx_zoo.experiments.bench.llama_19m import HF_CONFIG
 
 
 def test_parameter_count():
@@ -13,7 +13,7 @@ def test_parameter_count():
 def test_same_model_as_hf_config():
   """The config from HF's own LlamaConfig (common/hub.py's reading of config.json) is ours."""
   transformers = pytest.importorskip("transformers")
-  from zoo.llama import params
+  from nnx_zoo.zoo.llama import params
 
   hf = transformers.LlamaConfig(**HF_CONFIG).to_dict()
   ours = experiments.get_config("bench/llama-19m").model

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import experiments
-from common.hub import checkpoint, weights
+from nnx_zoo.common import experiments
+from nnx_zoo.common.hub import checkpoint, weights
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from kernels import flash_attention as fa
+from nnx_zoo.kernels import flash_attention as fa
 
 # Interpret mode compiles the kernel's grid into XLA loops; these options cut that compile time
 # by ~40% (the shapes are tiny, so run time does not matter).

@@ -1,6 +1,6 @@
 """The TPU splash-attention wrapper: values and gradients against the pure-jnp reference
-(`common.nn.attention.attend`) in Pallas TPU interpret mode on CPU, the same sharded over 4 fake
-CPU devices under the trainer's check_vma shard_map against one device, and forward + backward
+(`nnx_zoo.common.nn.attention.attend`) in Pallas TPU interpret mode on CPU, the same sharded over 4
+fake CPU devices under the trainer's check_vma shard_map against one device, and forward + backward
 compiled ahead of time for a TPU slice (v5e:2x2, libtpu needed) under `jax.shard_map`."""
 
 import os
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from common.nn import attention as attn
-from kernels import tpu_attention as tpu
+from nnx_zoo.common.nn import attention as attn
+from nnx_zoo.kernels import tpu_attention as tpu
 
 # Interpret mode compiles the kernel's grid into XLA loops; these cut that compile time.
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -81,7 +81,7 @@ def test_matches_reference_values_and_grads(name, case):
 SHARDED = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import PartitionSpec as P
-from kernels import tpu_attention as tpu
+from nnx_zoo.kernels import tpu_attention as tpu
 
 mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 2), ("data", "tensor"))
 B, T, N, K, H = 4, 100, 4, 2, 32
@@ -113,7 +113,7 @@ def test_sharded_under_check_vma_equals_one_device():
   root = pathlib.Path(__file__).resolve().parents[2]
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
   proc = subprocess.run(
-    [sys.executable, "-c", textwrap.dedent(SHARDED)],
+    [sys.executable, "-P", "-c", textwrap.dedent(SHARDED)],
     cwd=root,
     env=env,
     capture_output=True,
@@ -140,7 +140,7 @@ def test_unsupported_reasons():
 @pytest.fixture(scope="module")
 def tpu_mesh():
   pytest.importorskip("libtpu")
-  from common import plan
+  from nnx_zoo.common import plan
 
   devices = plan.devices(plan.parse_topology("v5e:2x2"))
   return jax.sharding.Mesh(np.asarray(devices).reshape(2, 2), ("data", "tensor"))

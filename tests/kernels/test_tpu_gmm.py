@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from kernels import tpu_gmm
+from nnx_zoo.kernels import tpu_gmm
 
 
 def randn(seed, shape):
@@ -45,7 +45,7 @@ def test_compiles_for_tpu_under_shard_map():
   """Rows split over `data`, experts' F over `tensor`, bf16, under check_vma as in the trainer's
   step: the Mosaic kernels (not interpret mode, not ragged-dot), at the cost of the matmuls."""
   pytest.importorskip("libtpu")
-  from common import plan
+  from nnx_zoo.common import plan
 
   devices = plan.devices(plan.parse_topology("v5e:2x2"))
   mesh = jax.sharding.Mesh(np.asarray(devices).reshape(2, 2), ("data", "tensor"))

@@ -12,10 +12,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from common import experiments, models, parallel  # noqa: E402
-from common.mesh import AXES  # noqa: E402
-from common.train import optim  # noqa: E402
-from common.train import step as steps  # noqa: E402
+from nnx_zoo.common import experiments, models, parallel  # noqa: E402
+from nnx_zoo.common.mesh import AXES  # noqa: E402
+from nnx_zoo.common.train import optim  # noqa: E402
+from nnx_zoo.common.train import step as steps  # noqa: E402
 
 # (data, fsdp, expert, tensor): expert 4 and 2, with data, fsdp and tensor beside it.
 MESHES = [(2, 1, 4, 1), (1, 2, 2, 2), (1, 1, 4, 2), (2, 2, 2, 1)]

@@ -12,9 +12,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from common import experiments, parallel  # noqa: E402
-from common.train import optim, trainer  # noqa: E402
-from common.train import step as steps  # noqa: E402
+from nnx_zoo.common import experiments, parallel  # noqa: E402
+from nnx_zoo.common.train import optim, trainer  # noqa: E402
+from nnx_zoo.common.train import step as steps  # noqa: E402
 
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]  # (data, fsdp, tensor)
 

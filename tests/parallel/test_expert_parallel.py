@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from common import experiments, parallel
-from common.errors import UserError
+from nnx_zoo.common import experiments, parallel
+from nnx_zoo.common.errors import UserError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXP = "lm/shakespeare-moe:smoke"  # 4 experts, top-2, 2 layers
@@ -22,7 +22,7 @@ MESHES = ["(2, 1, 4, 1)", "(1, 2, 2, 2)", "(1, 1, 4, 2)", "(2, 2, 2, 1)"]
 def run(args: list[str], devices: int = 8, **kw) -> subprocess.CompletedProcess:
   env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   return subprocess.run(
-    [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, **kw
+    [sys.executable, "-P", *args], cwd=ROOT, env=env, capture_output=True, text=True, **kw
   )
 
 
@@ -92,7 +92,7 @@ def test_weights_without_experts_are_stored_over_fsdp_and_expert(results, mesh):
 
 def zoo_run(workdir, devices: int, mesh: tuple[int, int, int, int], steps: int):
   data, fsdp, expert, tensor = mesh
-  args = ["-m", "common.cli", "run", EXP, "--workdir", str(workdir), "--quiet"]
+  args = ["-m", "nnx_zoo.common.cli", "run", EXP, "--workdir", str(workdir), "--quiet"]
   args += [f"--config.mesh.data={data}", f"--config.mesh.fsdp={fsdp}"]
   args += [f"--config.mesh.expert={expert}", f"--config.mesh.tensor={tensor}"]
   args += [f"--config.train.steps={steps}", "--config.train.batch_size=8"]
@@ -135,7 +135,7 @@ def test_expert_size_that_does_not_divide_the_experts_is_refused():
 @pytest.mark.multidevice
 def test_zoo_run_refuses_the_mesh_before_compiling(tmp_path):
   proc = run(
-    ["-m", "common.cli", "run", EXP, "--workdir", str(tmp_path / "x")]
+    ["-m", "nnx_zoo.common.cli", "run", EXP, "--workdir", str(tmp_path / "x")]
     + ["--config.mesh.expert=8", "--config.train.batch_size=8"]
   )
   assert proc.returncode == 2

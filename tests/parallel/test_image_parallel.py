@@ -21,7 +21,7 @@ EXPERIMENTS = ["vision/vit-digits:smoke", "vision/clip-digits:smoke"]
 def results(request):
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   proc = subprocess.run(
-    [sys.executable, str(ROOT / "tests" / "parallel" / "image_worker.py"), request.param],
+    [sys.executable, "-P", str(ROOT / "tests" / "parallel" / "image_worker.py"), request.param],
     cwd=ROOT,
     env=env,
     capture_output=True,

@@ -18,10 +18,10 @@ WORKER = """
 import json, sys
 import jax, numpy as np
 from flax import nnx
-from common import experiments, parallel
-from common.train import trainer
-from common.train import optim
-from common.train import step as steps
+from nnx_zoo.common import experiments, parallel
+from nnx_zoo.common.train import trainer
+from nnx_zoo.common.train import optim
+from nnx_zoo.common.train import step as steps
 
 cfg = experiments.get_config("lm/shakespeare-char:smoke", {"train.batch_size": "8"})
 cfg.model.tie_embeddings = sys.argv[1] == "tied"
@@ -55,7 +55,7 @@ def results(request):
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   code = f"MESHES = {MESHES!r}\n" + WORKER
   proc = subprocess.run(
-    [sys.executable, "-c", code, request.param],
+    [sys.executable, "-P", "-c", code, request.param],
     cwd=ROOT,
     env=env,
     capture_output=True,

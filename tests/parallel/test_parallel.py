@@ -21,7 +21,7 @@ MESHES = ["(2, 2, 2)", "(8, 1, 1)", "(1, 8, 1)", "(1, 4, 2)", "(1, 1, 2)"]
 def run(args: list[str], devices: int = 8, **kw) -> subprocess.CompletedProcess:
   env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   return subprocess.run(
-    [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, **kw
+    [sys.executable, "-P", *args], cwd=ROOT, env=env, capture_output=True, text=True, **kw
   )
 
 
@@ -58,7 +58,7 @@ def test_scanned_layers_gather_their_weights_inside_the_loop(results):
 
 
 def expected_spec(name: str, mesh: str) -> str:
-  """What common.parallel.RULES say, written out by hand for the tiny Llama's parameters."""
+  """What nnx_zoo.common.parallel.RULES say, written out by hand for the tiny Llama's parameters."""
   data, fsdp, tensor = eval(mesh)  # noqa: S307 (our own literal)
   f = "'fsdp'" if fsdp > 1 else "None"
   t = "'tensor'" if tensor > 1 else "None"
@@ -92,7 +92,7 @@ def test_per_device_state_bytes_are_total_over_fsdp_times_tensor(results, mesh):
 def zoo_args(workdir, mesh: tuple[int, int, int], steps: int) -> list[str]:
   """`zoo run` of the smoke experiment on `mesh` (data, fsdp, tensor), logging every step."""
   data, fsdp, tensor = mesh
-  args = ["-m", "common.cli", "run", "lm/shakespeare-char:smoke", "--workdir", str(workdir)]
+  args = ["-m", "nnx_zoo.common.cli", "run", "lm/shakespeare-char:smoke", "--workdir", str(workdir)]
   args += [f"--config.mesh.data={data}", f"--config.mesh.fsdp={fsdp}"]
   args += [f"--config.mesh.tensor={tensor}", f"--config.train.steps={steps}", "--quiet"]
   args += ["--config.train.batch_size=8", "--config.train.log_every=1"]
@@ -153,7 +153,7 @@ def two_processes(workdir, steps: int) -> list[subprocess.Popen]:
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
   return [
     subprocess.Popen(
-      [sys.executable, *args, "--process-id", str(i)],
+      [sys.executable, "-P", *args, "--process-id", str(i)],
       cwd=ROOT,
       env=env,
       stdout=subprocess.PIPE,
@@ -225,7 +225,14 @@ def logged_steps(workdir) -> int:
 
 def test_mesh_that_does_not_fit_is_refused_before_compiling(tmp_path):
   proc = run(
-    ["-m", "common.cli", "run", "lm/shakespeare-char:smoke", "--workdir", str(tmp_path / "x")]
+    [
+      "-m",
+      "nnx_zoo.common.cli",
+      "run",
+      "lm/shakespeare-char:smoke",
+      "--workdir",
+      str(tmp_path / "x"),
+    ]
     + ["--config.mesh.tensor=8", "--config.mesh.data=1", "--config.mesh.fsdp=1"]
   )
   assert proc.returncode == 2

@@ -11,10 +11,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from common import experiments, models, parallel  # noqa: E402
-from common.nn import lora
-from common.train import optim
-from common.train import step as steps
+from nnx_zoo.common import experiments, models, parallel  # noqa: E402
+from nnx_zoo.common.nn import lora
+from nnx_zoo.common.train import optim
+from nnx_zoo.common.train import step as steps
 
 MESHES = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 4, 2), (1, 1, 2)]
 

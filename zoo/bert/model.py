@@ -10,8 +10,8 @@ classifier head (num_labels > 0): Linear(pooled) -> logits [B, num_labels]
 
 import ml_collections
 
-from common import config as config_lib
-from common.nn import attention, mlp, norms, position, transformer
+from nnx_zoo.common import config as config_lib
+from nnx_zoo.common.nn import attention, mlp, norms, position, transformer
 
 # Published dimensions (each model's config.json on the Hugging Face hub).
 # fmt: off

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from common.errors import UserError, suggest
-from common.nn import attention, lora, mlp, norms, position, transformer
-from common.nn.linear import Linear, dtypes
+from nnx_zoo.common.errors import UserError, suggest
+from nnx_zoo.common.nn import attention, lora, mlp, norms, position, transformer
+from nnx_zoo.common.nn.linear import Linear, dtypes
 
 # OpenAI's image statistics (HF's CLIPImageProcessor's image_mean and image_std).
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -146,7 +146,7 @@ def tower_config(cfg, name: str) -> ml_collections.ConfigDict:
   tower.family = cfg.family
   for k in SHARED:
     tower[k] = cfg[k]
-  tower.lora = lora.config()  # adapters are added to the whole model (common.models.build)
+  tower.lora = lora.config()  # adapters are added to the whole model (nnx_zoo.common.models.build)
   return tower
 
 

@@ -12,9 +12,15 @@ import math
 
 import ml_collections
 
-from common.errors import UserError
-from common.hub.keymap import copy, linear, patch_conv, plain_transformer_activation, require
-from zoo.clip import model as clip
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub.keymap import (
+  copy,
+  linear,
+  patch_conv,
+  plain_transformer_activation,
+  require,
+)
+from nnx_zoo.zoo.clip import model as clip
 
 MODEL_TYPES = ("clip",)
 PREFIX = ""

@@ -13,9 +13,9 @@ query_pre_attn_scalar ** -0.5.
 
 import ml_collections
 
-from common import config as config_lib
-from common.errors import UserError
-from common.nn import attention, mlp, norms, position, transformer
+from nnx_zoo.common import config as config_lib
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import attention, mlp, norms, position, transformer
 
 # Published dimensions (each model's config.json on the Hugging Face hub; Gemma 3 4B and up:
 # the text_config of the multimodal checkpoint).

@@ -7,8 +7,8 @@ tokens -> Embedding + learned positions -> [LayerNorm -> Attention -> + -> Layer
 
 import ml_collections
 
-from common import config as config_lib
-from common.nn import attention, mlp, norms, position, transformer
+from nnx_zoo.common import config as config_lib
+from nnx_zoo.common.nn import attention, mlp, norms, position, transformer
 
 # Published dimensions (openai-community/gpt2* config.json on the Hugging Face hub).
 # fmt: off

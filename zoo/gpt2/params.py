@@ -6,9 +6,9 @@ they are. c_attn fuses q, k and v along its output dim: split in three (concaten
 
 import ml_collections
 
-from common.errors import UserError
-from common.hub.keymap import copy, plain_transformer_activation, split, transpose
-from zoo.gpt2 import model as gpt2
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub.keymap import copy, plain_transformer_activation, split, transpose
+from nnx_zoo.zoo.gpt2 import model as gpt2
 
 MODEL_TYPES = ("gpt2",)
 PREFIX = "transformer."

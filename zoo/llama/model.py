@@ -6,8 +6,8 @@ tokens -> Embedding -> [RMSNorm -> Attention(RoPE, GQA) -> + -> RMSNorm -> SwiGL
 
 import ml_collections
 
-from common import config as config_lib
-from common.nn import attention, mlp, moe, norms, position, transformer
+from nnx_zoo.common import config as config_lib
+from nnx_zoo.common.nn import attention, mlp, moe, norms, position, transformer
 
 # Published dimensions (each model's config.json on the Hugging Face hub).
 # fmt: off

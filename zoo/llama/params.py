@@ -12,10 +12,10 @@ layer pattern with a "dense" kind.
 
 import ml_collections
 
-from common.errors import UserError
-from common.hub import keymap
-from common.hub.keymap import copy, transpose
-from zoo.llama import model as llama
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub import keymap
+from nnx_zoo.common.hub.keymap import copy, transpose
+from nnx_zoo.zoo.llama import model as llama
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 MOE_TYPES = ("mixtral", "qwen3_moe")

@@ -16,8 +16,8 @@ GELU-tanh gated ("gated-gelu", transformers' gelu_new: our "geglu").
 
 import ml_collections
 
-from common.errors import UserError, suggest
-from common.nn import attention, mlp, norms, position, transformer
+from nnx_zoo.common.errors import UserError, suggest
+from nnx_zoo.common.nn import attention, mlp, norms, position, transformer
 
 # Published dimensions (each model's config.json on the Hugging Face hub). Parameter counts, as
 # transformers counts them on the meta device: t5-small 60,506,624 (tied); t5-v1.1-small and

@@ -8,8 +8,8 @@ images [B, S, S, C] in [0, 1] -> (x - 0.5) / 0.5 -> patches (Conv2d as one matmu
 
 import ml_collections
 
-from common.errors import UserError, suggest
-from common.nn import attention, mlp, norms, position, transformer
+from nnx_zoo.common.errors import UserError, suggest
+from nnx_zoo.common.nn import attention, mlp, norms, position, transformer
 
 # Published dimensions (each model's config.json on the Hugging Face hub).
 # fmt: off

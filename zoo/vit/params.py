@@ -9,9 +9,15 @@ transposed. HF's ViTImageProcessor normalises with mean = std = 0.5, the zoo mod
 
 import ml_collections
 
-from common.errors import UserError
-from common.hub.keymap import copy, linear, patch_conv, plain_transformer_activation, squeeze
-from zoo.vit import model as vit
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub.keymap import (
+  copy,
+  linear,
+  patch_conv,
+  plain_transformer_activation,
+  squeeze,
+)
+from nnx_zoo.zoo.vit import model as vit
 
 MODEL_TYPES = ("vit",)
 PREFIX = "vit."

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common.errors import UserError
-from common.models import build
-from zoo.bert import model as bert
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.models import build
+from nnx_zoo.zoo.bert import model as bert
 
 V, B, T, D = 256, 2, 8, 64
 

@@ -2,12 +2,13 @@
 which transformers computes too."""
 
 import pytest
-import torch
-import transformers
 from flax import nnx
 
-from common import models
-from zoo.bert import model as bert
+from nnx_zoo.common import models
+from nnx_zoo.zoo.bert import model as bert
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
 
 PUBLISHED = {
   "bert-base-uncased": 109_482_240,  # google-bert/bert-base-uncased

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import models
-from common.data import images as image_data
-from common.errors import UserError
-from zoo.clip import model as clip
+from nnx_zoo.common import models
+from nnx_zoo.common.data import images as image_data
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.zoo.clip import model as clip
 
 
 @pytest.fixture(scope="module")

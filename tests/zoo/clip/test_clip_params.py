@@ -6,11 +6,12 @@ transformers computes too."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers as tf
 
-from common import hub, models
-from zoo.clip import model as clip
+from nnx_zoo.common import hub, models
+from nnx_zoo.zoo.clip import model as clip
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
 
 RTOL = 1e-4  # relative to the largest value; measured ~3e-7
 V, T = 50, 10

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import hub, models, sampling
-from common.train import losses
-from zoo.gemma import model as gemma
+from nnx_zoo.common import hub, models, sampling
+from nnx_zoo.common.train import losses
+from nnx_zoo.zoo.gemma import model as gemma
 
 # transformers' own counts (Gemma2ForCausalLM / Gemma3ForCausalLM, tied embeddings).
 PUBLISHED = {"gemma2-2b": 2_614_341_888, "gemma3-1b": 999_885_952}

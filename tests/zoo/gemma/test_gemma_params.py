@@ -3,10 +3,11 @@ configurations are converted, compared on logits, exported and reloaded."""
 
 import numpy as np
 import pytest
-import torch
-import transformers as tf
 
-from common import hub
+from nnx_zoo.common import hub
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
 
 B, T, V = 2, 24, 128
 SMALL = dict(

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from common.models import build
-from zoo.gpt2 import model as gpt2
+from nnx_zoo.common.models import build
+from nnx_zoo.zoo.gpt2 import model as gpt2
 
 V, B, T = 256, 2, 10
 

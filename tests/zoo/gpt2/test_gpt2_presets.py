@@ -2,12 +2,13 @@
 computes too."""
 
 import pytest
-import torch
-import transformers
 from flax import nnx
 
-from common import models
-from zoo.gpt2 import model as gpt2
+from nnx_zoo.common import models
+from nnx_zoo.zoo.gpt2 import model as gpt2
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
 
 # Published counts (openai-community/gpt2*; tied embeddings counted once).
 PUBLISHED = {

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import modifiers, sampling
-from common.models import build
-from common.nn import position
-from zoo.llama import model as llama
+from nnx_zoo.common import modifiers, sampling
+from nnx_zoo.common.models import build
+from nnx_zoo.common.nn import position
+from nnx_zoo.zoo.llama import model as llama
 
 V = 256  # the tiny preset's vocabulary
 

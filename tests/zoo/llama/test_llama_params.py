@@ -3,9 +3,9 @@ parity tests in tests/common/test_hub.py do not reach with one tiny model each."
 
 import pytest
 
-from common.errors import UserError
-from zoo.llama import model as llama
-from zoo.llama import params
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.zoo.llama import model as llama
+from nnx_zoo.zoo.llama import params
 
 BASE = dict(
   vocab_size=128,

@@ -3,8 +3,8 @@
 import pytest
 from flax import nnx
 
-from common import models
-from zoo.llama import model as llama
+from nnx_zoo.common import models
+from nnx_zoo.zoo.llama import model as llama
 
 # Published counts: the sum of the tensor sizes in each model's safetensors on the Hugging Face hub.
 PUBLISHED = {

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import models, sampling
-from common.errors import UserError
-from common.nn import transformer
-from zoo.llama import model as llama
-from zoo.t5 import model as t5
+from nnx_zoo.common import models, sampling
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import transformer
+from nnx_zoo.zoo.llama import model as llama
+from nnx_zoo.zoo.t5 import model as t5
 
 # transformers 5.24 on the meta device (see zoo/t5/model.py); v1.1 and FLAN-T5 with their
 # checkpoints' own lm_head.

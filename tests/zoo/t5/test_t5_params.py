@@ -5,10 +5,11 @@ reloaded."""
 
 import numpy as np
 import pytest
-import torch
-import transformers as tf
 
-from common import hub
+from nnx_zoo.common import hub
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
 
 B, S, T, V = 2, 13, 9, 96
 SMALL = dict(

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import models
-from common.errors import UserError
-from zoo.vit import model as vit
+from nnx_zoo.common import models
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.zoo.vit import model as vit
 
 
 def tiny(**overrides):
@@ -85,7 +85,7 @@ def test_every_config_field_changes_the_model():
 
 def test_mean_pooling_has_no_class_token():
   """pool="mean" (big_vision's "gap"): the patches alone, averaged; HF's ViT cannot hold it."""
-  from common import hub
+  from nnx_zoo.common import hub
 
   cfg = vit.config("tiny", pool="mean")
   model = models.build(cfg, seed=0)

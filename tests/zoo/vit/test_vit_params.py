@@ -5,11 +5,12 @@ parameter counts, which transformers computes too."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers as tf
 
-from common import hub, models
-from zoo.vit import model as vit
+from nnx_zoo.common import hub, models
+from nnx_zoo.zoo.vit import model as vit
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
 
 # fp32 on both sides; relative to the largest logit (measured ~5e-7 of ~1.5).
 RTOL = 1e-4

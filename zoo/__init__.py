@@ -1,1 +1,0 @@
-"""Model families, each composed only of the shared layers in common/."""
