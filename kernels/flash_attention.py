@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from nnx_zoo.kernels.tpu_attention import target_platform
+
 # The smallest block. Blocks are powers of 2 (Triton works on power-of-2 arrays only).
 MIN_BLOCK = 8
 
@@ -239,7 +241,7 @@ _sq = pl.squeezed
 def _compiler_params(spec: _Spec):
   """Triton on GPU (Pallas' default there is Mosaic GPU, which this kernel is not written for);
   the platform's defaults elsewhere."""
-  if spec.interpret or jax.default_backend() == "tpu":
+  if spec.interpret or target_platform() == "tpu":
     return None
   return pltriton.CompilerParams(num_warps=4, num_stages=2)
 
@@ -369,7 +371,8 @@ def flash_attention(
   (scale None: 1 / sqrt(H)).
 
   window=0: no sliding window; softcap=0: no soft-cap; segment ids: both or neither (segment 0
-  is a segment like any other). interpret=None: Pallas interpret mode on CPU, compiled elsewhere.
+  is a segment like any other). interpret=None: Pallas interpret mode when compiling for a CPU
+  (the mesh's devices, else the default backend), compiled elsewhere.
   T and S need not be multiples of the blocks (padded, see the module docstring). k and v are
   cast to q's dtype; the output has q's dtype.
   """
@@ -382,8 +385,8 @@ def flash_attention(
   if (q_segment_ids_BT is None) != (kv_segment_ids_BS is None):
     raise ValueError("Pass both q_segment_ids_BT and kv_segment_ids_BS, or neither.")
   if interpret is None:
-    interpret = jax.default_backend() == "cpu"
-  if not interpret and jax.default_backend() == "tpu":
+    interpret = target_platform() == "cpu"
+  if not interpret and target_platform() == "tpu":
     # Mosaic TPU tiles the last two block dims by (8, 128): it would need [B, N, T, H] blocks
     # and lane-replicated row statistics, a port not written (nor testable) here.
     raise NotImplementedError(
