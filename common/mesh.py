@@ -57,6 +57,11 @@ def hardware_name(devices=None) -> str:
   return f"{kind}x{len(devices)}"
 
 
+def platform_of(hardware: str) -> str:
+  """The platform ("cpu", "gpu" or "tpu") a hardware name (`hardware_name`'s form) is on."""
+  return next((p for p in ("gpu", "tpu") if hardware.startswith(p)), "cpu")
+
+
 @contextlib.contextmanager
 def quiet_stderr():
   """Silences stderr at the file-descriptor level: libtpu (installed with the tpu and test
