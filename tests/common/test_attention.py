@@ -495,6 +495,7 @@ def test_choose_impl(impl, kw, backend, want):
   assert attention.choose_impl(impl, backend=backend, **kw) == want
 
 
+@pytest.mark.cpu_only
 def test_cudnn_on_cpu_and_flash_when_decoding_run_xla():
   x = randn(53, (2, 6, 32))
   want, _ = run(layer(), x)
@@ -551,6 +552,7 @@ def test_resolve_auto(platform, kw, want):
   assert why.startswith(platform)
 
 
+@pytest.mark.cpu_only
 def test_auto_is_the_default_and_runs_the_xla_path_on_cpu(caplog, monkeypatch):
   """On a CPU "auto" is "xla": the same numbers, output and gradients, with packed segments;
   the choice is logged once."""
