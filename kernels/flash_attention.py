@@ -36,9 +36,10 @@ from nnx_zoo.kernels.tpu_attention import target_platform
 
 # The smallest block. Blocks are powers of 2 (Triton works on power-of-2 arrays only).
 MIN_BLOCK = 8
-# Triton's smallest dot: M, N and K of at least 16 for 16- and 32-bit inputs (its Python front
-# end asserts this, `min_dot_size`; Pallas emits Triton IR directly, past that check). Compiled,
-# the blocks and the head dim are raised to it, so no dot in the kernels is smaller.
+# Triton's smallest dot for 16- and 32-bit inputs on NVIDIA GPUs: K of at least 16, and M and N
+# of at least 16 in Triton releases before small M/N were padded (its Python front end asserts
+# this, the backend's `min_dot_size`; Pallas emits Triton IR past that check). Compiled, the
+# blocks and the head dim are raised to 16, so no dot in the kernels is smaller.
 TRITON_MIN_DOT = 16
 
 
