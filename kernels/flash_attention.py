@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from nnx_zoo.kernels.tpu_attention import target_platform
+from nnx_zoo.kernels import tpu_attention
 
 # The smallest block. Blocks are powers of 2 (Triton works on power-of-2 arrays only).
 MIN_BLOCK = 8
@@ -248,7 +248,7 @@ _sq = pl.squeezed
 def _compiler_params(spec: _Spec):
   """Triton on GPU (Pallas' default there is Mosaic GPU, which this kernel is not written for);
   the platform's defaults elsewhere."""
-  if spec.interpret or target_platform() == "tpu":
+  if spec.interpret or tpu_attention.target_platform() == "tpu":
     return None
   return pltriton.CompilerParams(num_warps=4, num_stages=2)
 
@@ -392,8 +392,8 @@ def flash_attention(
   if (q_segment_ids_BT is None) != (kv_segment_ids_BS is None):
     raise ValueError("Pass both q_segment_ids_BT and kv_segment_ids_BS, or neither.")
   if interpret is None:
-    interpret = target_platform() == "cpu"
-  if not interpret and target_platform() == "tpu":
+    interpret = tpu_attention.target_platform() == "cpu"
+  if not interpret and tpu_attention.target_platform() == "tpu":
     # Mosaic TPU tiles the last two block dims by (8, 128): it would need [B, N, T, H] blocks
     # and lane-replicated row statistics, a port not written (nor testable) here.
     raise NotImplementedError(

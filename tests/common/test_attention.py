@@ -2,6 +2,7 @@
 causality by gradients, GQA/MQA == MHA with repeated k/v, masks, soft-cap, QK-norm, KV cache;
 impl="flash" == impl="xla", and the fallbacks to "xla"."""
 
+import contextlib
 import logging
 import math
 
@@ -596,19 +597,41 @@ def test_describe_auto_per_layer_kind():
   assert attention.describe_auto(tiny, platform="gpu", seq_len=256) == ""
 
 
-# What compiles for a GPU, proved on this CPU: the layer traced under an abstract mesh of GPUs
-# (so "auto" resolves for them, as in a sharded step) and lowered for CUDA. jax refuses to build
-# the cuDNN call without a local cuDNN (its version and compute-capability checks query the
-# machine), so those two checks are stubbed: everything else (shapes, layout, mask, GQA, the
-# backward) is jax's own validation.
+# What compiles for a GPU, proved on this CPU: the layer traced as for GPUs and lowered for CUDA.
+# The platform "auto" resolves for is the mesh's devices (checked first); the lowering patches
+# that lookup, and runs under an abstract mesh of GPUs only where the Triton kernel is expected:
+# jax 0.12 lowers Pallas Triton without a GPU only under one, and refuses cuDNN's call under one
+# (jax 0.10 takes both). jax builds the cuDNN call only with a local cuDNN (its version and
+# compute-capability checks query the machine), so those checks are stubbed: everything else
+# (shapes, layout, mask, GQA, the backward) is jax's own validation.
+
+
+def gpu_mesh(device_kind="NVIDIA H200"):
+  """An abstract one-GPU mesh to trace under: what a sharded step on a GPU machine sees."""
+  device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("data",), abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
+def test_target_platform_is_the_meshs_devices():
+  from nnx_zoo.kernels import tpu_attention
+
+  assert tpu_attention.target_platform() == "cpu"
+  with gpu_mesh():
+    assert tpu_attention.target_platform() == "gpu"
+    assert tpu_attention.target_device_kind() == "NVIDIA H200"
 
 
 def _lower_layer_for_gpu(monkeypatch, dtype, device_kind="NVIDIA H200", **kw):
   from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
+  from nnx_zoo.kernels import tpu_attention
+
   monkeypatch.setattr(cudnn_fa, "check_cudnn_version", lambda: 91000)
   monkeypatch.setattr(cudnn_fa, "check_compute_capability", lambda capability: False)
   monkeypatch.setattr(cudnn_fa, "is_cuda_compute_capability_equal", lambda capability: False)
+  monkeypatch.setattr(tpu_attention, "target_platform", lambda: "gpu")
+  monkeypatch.setattr(tpu_attention, "target_device_kind", lambda: device_kind)
   monkeypatch.setattr(attention, "_logged", set())
   cfg = attention.config(num_heads=8, num_kv_heads=2, head_dim=64, **kw)
   attn = nnx.eval_shape(lambda: attention.Attention(cfg, 256, dtype=dtype, rngs=nnx.Rngs(0)))
@@ -624,9 +647,7 @@ def _lower_layer_for_gpu(monkeypatch, dtype, device_kind="NVIDIA H200", **kw):
 
   x = jax.ShapeDtypeStruct((2, 256, 256), dtype)
   seg = jax.ShapeDtypeStruct((2, 256), jnp.int32)
-  device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("data",), abstract_device=device)
-  with jax.sharding.use_abstract_mesh(mesh):
+  with gpu_mesh() if dtype == jnp.float32 else contextlib.nullcontext():
     lowered = jax.jit(jax.grad(loss)).trace(state, x, seg).lower(lowering_platforms=("cuda",))
   text = lowered.as_text()
   return {

@@ -202,7 +202,12 @@ def test_lowers_for_gpu_with_triton(N, K, H):
     out, vjp = jax.vjp(f, q, k, v)
     return out, vjp(do)
 
-  text = jax.jit(step).trace(q, k, k, q, seg).lower(lowering_platforms=("cuda",)).as_text()
+  # Under an abstract mesh of GPUs: jax 0.12 lowers Pallas Triton without a GPU only so.
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+  with jax.sharding.use_abstract_mesh(
+    jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  ):
+    text = jax.jit(step).trace(q, k, k, q, seg).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") == 3, "forward, dq and dk/dv kernels"
 
 
