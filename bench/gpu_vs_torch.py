@@ -27,6 +27,10 @@ import sys
 import time
 import traceback
 
+# jax and torch share the GPU in this process: jax takes memory as it needs it instead of 75% at
+# start (set before train_vs_torch imports jax), and the torch rows run first (see `bench`).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 sys.path.insert(0, os.path.dirname(__file__))
 from train_vs_torch import step_flops, zoo_step  # noqa: E402
 
@@ -197,7 +201,10 @@ def torch_row(cfg, flops_cfg, *, compile_: bool, moe: bool, warmup: int, steps: 
 
   device = "cuda" if torch.cuda.is_available() else "cpu"
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
-  _, state = steps_lib.init_state(cfg, tx)
+  import jax
+
+  with jax.default_device(jax.devices("cpu")[0]):  # the zoo's initial weights, off the GPU
+    _, state = steps_lib.init_state(cfg, tx)
   model = (moe_vs_torch if moe else train_vs_torch).torch_model(cfg, state).to(device)
   del state
   o = cfg.optim
@@ -330,7 +337,20 @@ def format_summary(summary: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def bench(args) -> dict:
+def _free_torch_memory():
+  """A finished torch row's model and optimizer, collected and handed back to the driver, so
+  the jax rows after it have the GPU."""
+  import gc
+
+  import torch
+
+  gc.collect()
+  if torch.cuda.is_available():
+    torch.cuda.empty_cache()
+
+
+def bench(args, on_row=None) -> dict:
+  """The result; `on_row(result so far)` after each row."""
   import jax
 
   platform = jax.default_backend()
@@ -361,6 +381,9 @@ def bench(args) -> dict:
   kw = dict(warmup=args.warmup, steps=args.steps)
   cfgs = configs(args.tiny)
   torch_kinds = [] if args.no_torch else [False] + ([] if args.no_compile else [True])
+  # What runs, in display order: per part the zoo (auto first), then torch. The torch rows run
+  # first: torch hands its cached memory back (empty_cache), jax's allocator keeps what it took.
+  plan = []
   for part in args.parts:
     cfg, flops_cfg = cfgs[part]
     impls = impls_for(platform, args.impls) if part == "dense" else ["auto"]
@@ -369,7 +392,7 @@ def bench(args) -> dict:
       def zoo_run(impl=impl, cfg=cfg, flops_cfg=flops_cfg):
         return zoo_row(cfg, flops_cfg, impl=impl, **kw)
 
-      result["rows"].append(guarded(part, f"zoo {impl}", zoo_run))
+      plan.append((part, f"zoo {impl}", zoo_run))
     if part == "long":
       continue  # the zoo's long-context row only (the issue's T = 8192 row)
     for compile_ in torch_kinds:
@@ -378,7 +401,16 @@ def bench(args) -> dict:
       def torch_run(compile_=compile_, cfg=cfg, flops_cfg=flops_cfg, moe=part == "moe"):
         return torch_row(cfg, flops_cfg, compile_=compile_, moe=moe, **kw)
 
-      result["rows"].append(guarded(part, name, torch_run))
+      plan.append((part, name, torch_run))
+  done = {}
+  for i in sorted(range(len(plan)), key=lambda i: not plan[i][1].startswith("torch")):
+    part, name, run = plan[i]
+    done[i] = guarded(part, name, run)
+    if name.startswith("torch"):
+      _free_torch_memory()
+    result["rows"] = [done[k] for k in sorted(done)]
+    if on_row is not None:  # a partial result survives a timeout of the whole run
+      on_row({**result, "rows": add_mfu([dict(r) for r in result["rows"]], result["peaks"])})
   add_mfu(result["rows"], result["peaks"])
   return result
 
@@ -392,7 +424,9 @@ def main(argv=None):
     write_json(summary, os.path.join(directory, "summary.json"))
     return 0 if all(p.get("ok") for p in summary["parts"]) and summary["bench"] else 1
   args = parse_args(argv)
-  result = bench(args)
+  result = bench(
+    args, on_row=(lambda partial: write_json(partial, args.json)) if args.json else None
+  )
   print(format_table(result))
   if args.json:
     write_json(result, args.json)
