@@ -622,7 +622,7 @@ def test_target_platform_is_the_meshs_devices():
     assert tpu_attention.target_device_kind() == "NVIDIA H200"
 
 
-def _lower_layer_for_gpu(monkeypatch, dtype, device_kind="NVIDIA H200", **kw):
+def _lower_layer_for_gpu(monkeypatch, dtype, device_kind="NVIDIA H200", pos=None, **kw):
   from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
   from nnx_zoo.kernels import tpu_attention
@@ -636,7 +636,7 @@ def _lower_layer_for_gpu(monkeypatch, dtype, device_kind="NVIDIA H200", **kw):
   cfg = attention.config(num_heads=8, num_kv_heads=2, head_dim=64, **kw)
   attn = nnx.eval_shape(lambda: attention.Attention(cfg, 256, dtype=dtype, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(attn)
-  rope = position.RoPE(64, theta=1e4, scaling=position.rope_scaling())
+  rope = pos or position.RoPE(64, theta=1e4, scaling=position.rope_scaling())
 
   def loss(state, x_BTD, seg_BT):
     positions = jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
@@ -663,8 +663,9 @@ def _lower_layer_for_gpu(monkeypatch, dtype, device_kind="NVIDIA H200", **kw):
     (jnp.bfloat16, dict(window=64), {"cudnn": 2, "triton": 0}),
     (jnp.float32, dict(), {"cudnn": 0, "triton": 3}),  # forward, dq, dk/dv kernels
     (jnp.bfloat16, dict(softcap=30.0), {"cudnn": 0, "triton": 0}),  # xla
+    (jnp.bfloat16, dict(pos=position.ALiBi()), {"cudnn": 2, "triton": 0}),  # bias + segments
   ],
-  ids=["bf16-cudnn", "bf16-window-cudnn", "fp32-flash", "bf16-softcap-xla"],
+  ids=["bf16-cudnn", "bf16-window-cudnn", "fp32-flash", "bf16-softcap-xla", "bf16-alibi-cudnn"],
 )
 def test_auto_lowers_for_gpu(monkeypatch, dtype, kw, want):
   assert _lower_layer_for_gpu(monkeypatch, dtype, **kw) == want
