@@ -116,6 +116,7 @@ def cmd_show(args, overrides):
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
   print(cfg)
   print(f"# mesh rule: {cfg.mesh_rule}")
+  _print_attention_impl(cfg, hardware(args))
   print(f"# parameters: {models.num_params(cfg.model):,} (computed abstractly, nothing allocated)")
   if cfg.model.get("mlp") and cfg.model.mlp.kind == "moe":  # CLIP's towers: no top-level mlp
     mlp = cfg.model.mlp
@@ -131,6 +132,23 @@ def cmd_show(args, overrides):
   if cfg.model.get("lora") is not None and cfg.model.lora.rank:
     trained = models.num_params(cfg.model, lora.trainable(cfg.model))
     print(f"# trained: {trained:,} (LoRA adapters and model.lora.train; the rest frozen)")
+
+
+def _print_attention_impl(cfg, hardware_name: str):
+  """What attention.impl="auto" runs on the hardware the config was resolved for (as the layer
+  resolves it when the step is traced; a packed text batch of data.seq_len rows)."""
+  from nnx_zoo.common import mesh
+  from nnx_zoo.common.nn import attention
+
+  seq_len = cfg.get("data", {}).get("seq_len", 0)
+  if not seq_len or "attention" not in cfg.model:
+    return
+  platform = mesh.platform_of(hardware_name)
+  resolved = attention.describe_auto(
+    cfg.model, platform=platform, seq_len=seq_len, device_kind=hardware_name
+  )
+  if resolved:
+    print(f"# attention.impl: auto -> {resolved}")
 
 
 def cmd_plan(args, overrides):

@@ -57,6 +57,11 @@ def hardware_name(devices=None) -> str:
   return f"{kind}x{len(devices)}"
 
 
+def platform_of(hardware: str) -> str:
+  """The platform ("cpu", "gpu" or "tpu") a hardware name (`hardware_name`'s form) is on."""
+  return next((p for p in ("gpu", "tpu") if hardware.startswith(p)), "cpu")
+
+
 @contextlib.contextmanager
 def quiet_stderr():
   """Silences stderr at the file-descriptor level: libtpu (installed with the tpu and test
@@ -142,6 +147,79 @@ def tpu_rules(
     for gen, (prefix, sizes) in TPU_SLICES.items()
     if gen in micro_batches
   ]
+
+
+# GPUs by memory, as jax names them (`hardware_name`): 80 GB parts (H100 SXM and PCIe, A100
+# 80GB) and 141 GB ones (H200). XLA takes 75% of a GPU's memory at start by default
+# (XLA_PYTHON_CLIENT_MEM_FRACTION), so that is what a step is sized to.
+GPU_MEMORY = {80: ("gpu-*h100*", "gpu-*80gb*"), 141: ("gpu-*h200*",)}
+XLA_MEMORY_FRACTION = 0.75
+GPU_RESERVE = 2 * 2**30  # cuDNN/cuBLAS workspaces, the FSDP gathers' double buffers, fragmentation
+
+
+def _param_count(m) -> int:
+  """A decoder's parameters by arithmetic (norms left out): what `gpu_rules` sizes the state by,
+  without building the model (get_config runs often; models.num_params builds it abstractly)."""
+  a = m.attention
+  N, K, H, D, L = a.num_heads, a.num_kv_heads, a.head_dim, m.dim, m.num_layers
+  mlp = m.mlp
+  experts = mlp.get("num_experts", 0) if mlp.get("kind") == "moe" else 0
+  ffn = 3 * D * mlp.hidden_dim * max(experts, 1) + D * experts
+  ffn += 3 * D * mlp.get("shared_hidden_dim", 0)
+  embed = m.vocab_size * D * (1 if m.get("tie_embeddings") else 2)
+  return L * (D * (N + 2 * K) * H + N * H * D + ffn) + embed
+
+
+def _activation_bytes_per_row(m, seq_len: int) -> int:
+  """One row's activation memory in a step with `model.remat=full`: the bf16 residual stream
+  kept at each layer boundary, plus one layer recomputed in the backward (its q/k/v/o, norms and
+  MLP hidden in fp32, doubled for their gradients). Where "auto" attention runs the xla path on a
+  Hopper GPU (a soft-cap: Gemma 2), that layer's [N, T, T] fp32 scores and probabilities too.
+  An MoE layer's MLP is its routed k experts' (and its dispatch buffers, the same again)."""
+  from nnx_zoo.common.nn import attention  # the layers import this module's neighbours
+
+  a, mlp = m.attention, m.mlp
+  hidden = mlp.hidden_dim * (2 * mlp.top_k if mlp.get("kind") == "moe" else 1)
+  hidden += mlp.get("shared_hidden_dim", 0)
+  layer = seq_len * (2 * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + 4 * m.dim + 3 * hidden)
+  impl, _ = attention.resolve_auto(
+    platform="gpu",
+    dtype=m.get("dtype", "float32"),
+    head_dim=a.head_dim,
+    seq_len=seq_len,
+    segments=True,
+    softcap=bool(a.softcap),
+    device_kind="NVIDIA H100",
+  )
+  if a.get("impl", "auto") == "xla" or (a.get("impl", "auto") == "auto" and impl == "xla"):
+    layer += 2 * a.num_heads * seq_len * seq_len
+  return m.num_layers * seq_len * m.dim * 2 + 2 * 4 * layer
+
+
+def gpu_rules(model_cfg, *, batch_size: int, seq_len: int) -> list[tuple[str, dict]]:
+  """Mesh rules for one GPU and for 8 GPUs, of 80 GB and of 141 GB: FSDP over the GPUs,
+  `model.remat=full`, `model.scan` and the fewest micro-batches whose activations fit beside the
+  state (attention.impl stays "auto": cuDNN where it applies). Sized by arithmetic, none measured:
+  16 bytes a parameter (fp32 params and gradients, AdamW's two moments) over the GPUs, plus
+  `_activation_bytes_per_row` for each row of a micro-batch, within XLA's 75% of the memory less
+  GPU_RESERVE. A size whose state alone does not fit gets no rule (a 7-8 B model on one GPU):
+  the config as written then applies, and `zoo run` says the step is out of memory."""
+  state = 16 * _param_count(model_cfg)
+  per_row = _activation_bytes_per_row(model_cfg, seq_len)
+  rules = []
+  for gpus in (1, 8):
+    for memory, patterns in GPU_MEMORY.items():
+      room = memory * 1e9 * XLA_MEMORY_FRACTION - GPU_RESERVE - state / gpus
+      rows = batch_size // gpus  # each GPU's rows of the global batch (fsdp splits the batch)
+      fit = int(room // per_row) if room > 0 else 0
+      if fit < 1 or rows < 1:
+        continue
+      micro = next(mb for mb in range(1, rows + 1) if rows % mb == 0 and rows // mb <= fit)
+      overrides = {"model.remat": "full", "model.scan": True, "train.micro_batches": micro}
+      if gpus > 1:
+        overrides = {"mesh.fsdp": gpus, **overrides}
+      rules += [(f"{pattern}x{gpus}", dict(overrides)) for pattern in patterns]
+  return rules
 
 
 def config(**sizes) -> ml_collections.ConfigDict:

@@ -217,8 +217,8 @@ def kernel_flops(cfg) -> tuple[float, str]:
   its mask rules out; partly masked blocks are counted as their unmasked pairs) and head dim H:
   4 H for the forward's two matmuls, 14 H for its backward (the dK/dV and dQ kernels each
   recompute the scores: seven matmuls), 4 H more for the forward that `model.remat=full`
-  recomputes. (0, "") for any other attention."""
-  from nnx_zoo.common.nn import transformer
+  recomputes. (0, "") for any other attention ("auto" is splash on a TPU)."""
+  from nnx_zoo.common.nn import attention, transformer
 
   m = cfg.model
   if "attention" not in m or "num_layers" not in m:
@@ -229,7 +229,13 @@ def kernel_flops(cfg) -> tuple[float, str]:
   for i in range(m.num_layers):
     layer = transformer.layer_config(m, i)
     att = layer.attention
-    if att.impl != "flash" or layer.position.kind in ("alibi", "relative"):  # biases: xla
+    bias = layer.position.kind in ("alibi", "relative")  # biases: xla
+    impl = att.impl
+    if impl == "auto":  # as the layer resolves it when traced for the slice
+      impl, _ = attention.resolve_auto(
+        platform="tpu", dtype=m.get("dtype", "float32"), head_dim=att.head_dim, seq_len=T, bias=bias
+      )
+    if impl != "flash" or bias:
       continue
     pairs = _score_pairs(T, causal=att.get("mask") == "causal", window=att.get("window", 0))
     flops += per_pair * att.head_dim * att.num_heads * pairs * B

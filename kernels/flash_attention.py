@@ -13,8 +13,10 @@ kernel sums over the G query heads of its group itself.
 
 Lengths that are not multiples of the block are padded (zeros, and masked inside the kernel by
 position), then the output is sliced back: any T and S work. Compiled, the kernel targets GPU
-(Pallas Triton; a head dim that is not a power of 2 is zero-padded); on CPU it runs in Pallas
-interpret mode; compiled TPU is not supported (see `flash_attention`).
+(Pallas Triton; a head dim that is not a power of 2, or under 16, is zero-padded, and blocks are
+at least 16: Triton's smallest dot); on CPU it runs in Pallas interpret mode; compiled TPU is not
+supported (see `flash_attention`). Its fp32 dots follow `jax_default_matmul_precision`: Triton
+runs them as TF32 by default on a GPU, as IEEE fp32 under "highest".
 
 A query that sees no key at all (its segment absent from the keys, or a window past the end of
 S) outputs zeros, as does the reference below (`nnx_zoo.common.nn.attention.attend` gives the
@@ -30,8 +32,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from nnx_zoo.kernels import tpu_attention
+
 # The smallest block. Blocks are powers of 2 (Triton works on power-of-2 arrays only).
 MIN_BLOCK = 8
+# Triton's smallest dot for 16- and 32-bit inputs on NVIDIA GPUs: K of at least 16, and M and N
+# of at least 16 in Triton releases before small M/N were padded (its Python front end asserts
+# this, the backend's `min_dot_size`; Pallas emits Triton IR past that check). Compiled, the
+# blocks and the head dim are raised to 16, so no dot in the kernels is smaller.
+TRITON_MIN_DOT = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +248,7 @@ _sq = pl.squeezed
 def _compiler_params(spec: _Spec):
   """Triton on GPU (Pallas' default there is Mosaic GPU, which this kernel is not written for);
   the platform's defaults elsewhere."""
-  if spec.interpret or jax.default_backend() == "tpu":
+  if spec.interpret or tpu_attention.target_platform() == "tpu":
     return None
   return pltriton.CompilerParams(num_warps=4, num_stages=2)
 
@@ -335,11 +344,11 @@ def _flash_fwd(spec, q, k, v, q_seg, k_seg):
 _flash.defvjp(_flash_fwd, _backward)
 
 
-def _block(requested: int, length: int) -> int:
-  """The requested block, or less for a short sequence (a power of 2, at least MIN_BLOCK)."""
+def _block(requested: int, length: int, smallest: int = MIN_BLOCK) -> int:
+  """The requested block, or less for a short sequence (a power of 2, at least `smallest`)."""
   if requested < MIN_BLOCK or requested & (requested - 1):
     raise ValueError(f"Block sizes must be powers of 2, at least {MIN_BLOCK}; got {requested}.")
-  return min(requested, max(MIN_BLOCK, pl.next_power_of_2(length)))
+  return max(smallest, min(requested, max(MIN_BLOCK, pl.next_power_of_2(length))))
 
 
 def _pad(x, axis, to):
@@ -369,7 +378,8 @@ def flash_attention(
   (scale None: 1 / sqrt(H)).
 
   window=0: no sliding window; softcap=0: no soft-cap; segment ids: both or neither (segment 0
-  is a segment like any other). interpret=None: Pallas interpret mode on CPU, compiled elsewhere.
+  is a segment like any other). interpret=None: Pallas interpret mode when compiling for a CPU
+  (the mesh's devices, else the default backend), compiled elsewhere.
   T and S need not be multiples of the blocks (padded, see the module docstring). k and v are
   cast to q's dtype; the output has q's dtype.
   """
@@ -382,15 +392,16 @@ def flash_attention(
   if (q_segment_ids_BT is None) != (kv_segment_ids_BS is None):
     raise ValueError("Pass both q_segment_ids_BT and kv_segment_ids_BS, or neither.")
   if interpret is None:
-    interpret = jax.default_backend() == "cpu"
-  if not interpret and jax.default_backend() == "tpu":
+    interpret = tpu_attention.target_platform() == "cpu"
+  if not interpret and tpu_attention.target_platform() == "tpu":
     # Mosaic TPU tiles the last two block dims by (8, 128): it would need [B, N, T, H] blocks
     # and lane-replicated row statistics, a port not written (nor testable) here.
     raise NotImplementedError(
       "flash_attention is compiled for GPU (Triton) only; on TPU use interpret=True, or "
       "jax.experimental.pallas.ops.tpu.splash_attention."
     )
-  bq, bk = _block(block_q, T), _block(block_k, S)
+  smallest = MIN_BLOCK if interpret else TRITON_MIN_DOT
+  bq, bk = _block(block_q, T, smallest), _block(block_k, S, smallest)
   spec = _Spec(
     causal=causal,
     window=int(window),
@@ -411,8 +422,9 @@ def flash_attention(
       _pad(q_segment_ids_BT.astype(jnp.int32), 1, Tp),
       _pad(kv_segment_ids_BS.astype(jnp.int32), 1, Sp),
     )
-  # Triton works on power-of-2 arrays only: zero columns change no q.k and give zero outputs.
-  Hp = H if interpret else pl.next_power_of_2(H)
+  # Triton works on power-of-2 arrays only, and dots of at least 16: zero columns change no q.k
+  # and give zero outputs.
+  Hp = H if interpret else max(TRITON_MIN_DOT, pl.next_power_of_2(H))
   q = _pad(_pad(q_BTNH, 1, Tp), 3, Hp)
   k = _pad(_pad(k_BSKH.astype(q.dtype), 1, Sp), 3, Hp)
   v = _pad(_pad(v_BSKH.astype(q.dtype), 1, Sp), 3, Hp)

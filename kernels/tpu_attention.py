@@ -40,6 +40,12 @@ def target_platform() -> str:
   return device.platform if device is not None else jax.default_backend()
 
 
+def target_device_kind() -> str:
+  """The device kind ("NVIDIA H200", "TPU v5") of the platform `target_platform` names."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return device.device_kind if device is not None else jax.devices()[0].device_kind
+
+
 def unsupported_reason(
   q_BTNH,
   k_BSKH,

@@ -1,11 +1,43 @@
 """The test session's setup: one persistent XLA compilation cache for the tests and the `zoo`
 processes they start (the environment is inherited), so a program compiled once (a smoke step, a
 resume's step) is loaded, not compiled again, by the next test or subprocess that builds it. Set
-JAX_COMPILATION_CACHE_DIR yourself to put it elsewhere."""
+JAX_COMPILATION_CACHE_DIR yourself to put it elsewhere.
 
+On a GPU, fp32 matmuls run at full precision: XLA (and Pallas Triton) run them as TF32 there by
+default (errors ~6e-4 on an H200, issue 23), and the tests compare fp32 paths against fp32
+references with fp32 tolerances. Set through the environment, before jax is imported, so the
+`zoo` processes the tests start inherit it; a machine without jax's CUDA plugin is untouched, so
+on a CPU the suite runs as it always has. Tests marked `cpu_only` check what a CPU backend does
+and are skipped, saying why, on any other."""
+
+import importlib.util
 import os
+import sys
 import tempfile
+
+import pytest
 
 os.environ.setdefault(
   "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "nnx-zoo-tests-xla-cache")
 )
+
+
+def _cuda_plugin_installed() -> bool:
+  return any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
+
+
+if _cuda_plugin_installed() and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu"):
+  os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+  if "jax" in sys.modules:  # imported before this file (by a plugin): set it there too
+    sys.modules["jax"].config.update(
+      "jax_default_matmul_precision", os.environ["JAX_DEFAULT_MATMUL_PRECISION"]
+    )
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only(request):
+  if request.node.get_closest_marker("cpu_only") is not None:
+    import jax
+
+    if jax.default_backend() != "cpu":
+      pytest.skip(f"checks a CPU backend's behaviour; this is {jax.default_backend()}")

@@ -83,6 +83,22 @@ def test_show(capsys):
   assert int(m.group(1).replace(",", "")) == models.num_params(cfg.model)
 
 
+def test_show_resolves_attention_auto_for_the_hardware(capsys):
+  """`zoo show` prints what attention.impl="auto" runs on the hardware of the mesh rule (the
+  platform the step compiles for), as the layer resolves it (common/nn/attention.resolve_auto)."""
+  shown = {}
+  # The smoke form has no mesh rules (the TPU rules set impl=flash themselves) and fp32 compute.
+  overrides = ("--config.model.dtype=bfloat16", "--config.data.seq_len=64")
+  for hw in ("cpux1", "gpu-nvidia-h100-80gb-hbm3x8", "tpu-v5x64"):
+    code, out, _ = zoo(capsys, "show", "lm/llama3-8b:smoke", "--mesh-rule", hw, *overrides)
+    assert code == 0
+    assert "impl: auto" in out
+    shown[hw] = re.search(r"^# attention.impl: auto -> (\w+) ", out, re.M).group(1)
+  assert shown == {"cpux1": "xla", "gpu-nvidia-h100-80gb-hbm3x8": "cudnn", "tpu-v5x64": "flash"}
+  code, out, _ = zoo(capsys, "show", SMOKE, "--config.model.attention.impl=xla")
+  assert code == 0 and "# attention.impl" not in out  # nothing to resolve
+
+
 def test_show_with_overrides(capsys):
   code, out, _ = zoo(
     capsys, "show", SMOKE, "--config.train.steps=123", "--config.model.num_layers", "3"

@@ -11,10 +11,16 @@ and values from the encoder's output (`source_kv`, projected once for a whole de
 splash attention, kernels/tpu_attention.py) or "cudnn"
 (`jax.nn.dot_product_attention(implementation="cudnn")`, GPU only). Where the chosen one does not
 apply, the layer runs "xla" and logs the reason once (see `choose_impl`).
+
+"auto" (the default) is resolved when the layer is traced, for the platform the step compiles
+for (the mesh's devices, as `moe.impl="auto"`; a TPU slice's under `zoo plan`), by `resolve_auto`:
+GPU: "cudnn" where cuDNN's fused attention takes the call, else "flash" where the kernel passed
+on an H200, else "xla"; TPU: "flash" (splash); CPU: "xla". The choice is logged once.
 """
 
 import dataclasses
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +35,16 @@ from nnx_zoo.common.nn.position import Position
 from nnx_zoo.kernels import flash_attention, tpu_attention
 
 MASKS = ("causal", "bidirectional")
-IMPLS = ("xla", "flash", "cudnn")
+IMPLS = ("auto", "xla", "flash", "cudnn")
+
+# cuDNN's fused attention (jax's checks, jax._src.cudnn.fused_attention_stablehlo): bf16/fp16, a
+# head dim that is a multiple of 8 and at most 128, or 256 from Hopper on (told by the device
+# kind's name: "auto" may resolve for GPUs it cannot query), and even lengths when training with
+# a bias (a segment mask reaches cuDNN as a bias too).
+CUDNN_DTYPES = ("bfloat16", "float16")
+HOPPER_OR_LATER = re.compile(r"(^|[-\s])g?(h[128]00|b[123]00)")
+# The layer's flash-kernel block (flash_attention's default block_q and block_k).
+FLASH_BLOCK = 128
 
 logger = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
@@ -47,12 +62,13 @@ def config(
   qk_norm: str = "none",
   softcap: float = 0.0,
   scale: float = 0.0,
-  impl: str = "xla",
+  impl: str = "auto",
 ) -> ml_collections.ConfigDict:
   """An attention sub-config. window=0: no sliding window; softcap=0: no soft-cap;
   qk_norm: "none", "rms" or "layer" (normalises each head's q and k, as Qwen3 and Gemma 3, with
   the model's norm settings); scale: the logits' factor, 0 meaning head_dim ** -0.5 (Gemma:
-  query_pre_attn_scalar ** -0.5; T5: 1)."""
+  query_pre_attn_scalar ** -0.5; T5: 1); impl: see the module docstring ("auto": chosen for the
+  platform compiled for)."""
   return ml_collections.ConfigDict(
     {
       "num_heads": num_heads,
@@ -229,6 +245,97 @@ def _log_once(impl: str, message: str, level: int = logging.WARNING):
     logger.log(level, "attention impl=%r: %s", impl, message)
 
 
+def resolve_auto(
+  *,
+  platform: str,
+  dtype,
+  head_dim: int,
+  seq_len: int,
+  bias: bool = False,
+  segments: bool = False,
+  cache: bool = False,
+  softcap: bool = False,
+  bidirectional_window: bool = False,
+  device_kind: str = "",
+) -> tuple[str, str]:
+  """(impl, why): what `impl="auto"` runs on `platform` ("cpu", "gpu", "tpu") for a self-attention
+  call of `seq_len` queries (and keys) in `dtype`, on devices of `device_kind` ("NVIDIA H200",
+  or a hardware name; "" if unknown). A pure function of its arguments.
+
+  GPU: "cudnn" where cuDNN's fused attention takes the call; else "flash" (the Pallas Triton
+  kernel) only in float32 with lengths of whole blocks, the cases that passed on an H200 (issue
+  23: its bf16 GQA case and its padded-length cases failed there, not understood yet); else "xla".
+  TPU: "flash" (jax's splash kernel) unless a logit bias or a KV cache rules it out. CPU: "xla",
+  the fastest there (bench/attention.py)."""
+  name = jnp.dtype(dtype).name
+  if platform == "gpu":
+    max_head_dim = 256 if HOPPER_OR_LATER.search(device_kind.lower()) else 128
+    why_not = None
+    if name not in CUDNN_DTYPES:
+      why_not = f"cuDNN takes bf16/fp16, not {name}"
+    elif softcap:
+      why_not = "cuDNN has no logit soft-cap"
+    elif cache:
+      why_not = "decoding with a KV cache"
+    elif bidirectional_window:
+      why_not = "cuDNN has no bidirectional sliding window"
+    elif head_dim % 8 or head_dim > max_head_dim:
+      why_not = f"cuDNN takes head dims that are multiples of 8 up to {max_head_dim} here"
+      why_not += f", not {head_dim}"
+    elif (bias or segments) and seq_len % 2:
+      why_not = f"cuDNN's biased (or segment-masked) backward needs an even length, not {seq_len}"
+    if why_not is None:
+      return "cudnn", f"gpu, {name}: cuDNN fused attention"
+    if bias or cache:
+      return "xla", f"gpu: {why_not}; the flash kernel adds no bias and does not decode"
+    if name != "float32":
+      return "xla", f"gpu: {why_not}; the flash kernel failed in {name} on an H200 (issue 23)"
+    if seq_len % FLASH_BLOCK:
+      return "xla", (
+        f"gpu: {why_not}; the flash kernel failed on padded lengths on an H200 (issue 23), and "
+        f"{seq_len} is not a multiple of {FLASH_BLOCK}"
+      )
+    return "flash", f"gpu: {why_not}; the flash kernel (Pallas Triton)"
+  if platform == "tpu":
+    if bias:
+      return "xla", "tpu: the splash kernel adds no logit bias (ALiBi)"
+    if cache:
+      return "xla", "tpu: decoding with a KV cache"
+    return "flash", "tpu: jax's splash attention kernel"
+  return "xla", f"{platform}: the XLA path (with query blocks)"
+
+
+def describe_auto(
+  model_cfg, *, platform: str, seq_len: int, segments: bool = True, device_kind: str = ""
+) -> str:
+  """What "auto" resolves to for a model config's layers on `platform` at `seq_len` (training,
+  no cache): one "impl (why)" per distinct choice, for `zoo show`. Only layers whose
+  attention.impl is "auto" are described ("" if none)."""
+  from nnx_zoo.common.nn import transformer  # the stack imports this module
+
+  if "attention" not in model_cfg or "num_layers" not in model_cfg:
+    return ""
+  seen = {}
+  for i in range(model_cfg.num_layers):
+    layer = transformer.layer_config(model_cfg, i)
+    att = layer.attention
+    if att.get("impl", "xla") != "auto":
+      continue
+    impl, why = resolve_auto(
+      platform=platform,
+      dtype=model_cfg.get("dtype", "float32"),
+      head_dim=att.head_dim,
+      seq_len=seq_len,
+      bias=layer.position.kind in ("alibi", "relative"),
+      segments=segments,
+      softcap=bool(att.softcap),
+      bidirectional_window=bool(att.window) and att.mask != "causal",
+      device_kind=device_kind,
+    )
+    seen.setdefault(impl, why)
+  return "; ".join(f"{impl} ({why})" for impl, why in seen.items())
+
+
 def choose_impl(
   impl: str,
   *,
@@ -287,7 +394,7 @@ class Attention(nnx.Module):
   ):
     if cfg.mask not in MASKS:
       raise UserError(f"Unknown attention mask {cfg.mask!r}: use one of {MASKS}.")
-    if cfg.impl not in IMPLS:
+    if cfg.impl not in IMPLS:  # "auto" is resolved when traced: the platform may differ
       raise UserError(f"Unknown attention impl {cfg.impl!r}: use one of {IMPLS}.")
     if cfg.num_heads % cfg.num_kv_heads:
       raise UserError(
@@ -346,7 +453,7 @@ class Attention(nnx.Module):
     mask_BTS = make_mask(
       jnp.arange(T), jnp.arange(S), segment_ids_BT, source.segment_ids_BS, causal=False
     )
-    if self.impl != "xla":
+    if self.impl not in ("xla", "auto"):
       _log_once(self.impl, "falls back to 'xla' in cross-attention")
     out_BTNH = attend(
       q_BTNH,
@@ -402,8 +509,23 @@ class Attention(nnx.Module):
     bias = position.logit_bias(positions_BT, k_pos_BS, self.num_heads)
     if bias is not None:
       bias = parallel.local_heads(bias, axis=1)
+    impl = self.impl
+    if impl == "auto":
+      impl, why = resolve_auto(
+        platform=tpu_attention.target_platform(),
+        dtype=q_BTNH.dtype,
+        head_dim=H,
+        seq_len=T,
+        bias=bias is not None,
+        segments=segments_given,
+        cache=cache is not None,
+        softcap=bool(self.softcap),
+        bidirectional_window=bool(self.window) and not self.causal,
+        device_kind=tpu_attention.target_device_kind(),
+      )
+      _log_once("auto", f"resolved to {impl!r}: {why}", logging.INFO)
     impl = choose_impl(
-      self.impl,
+      impl,
       bias=bias is not None,
       cache=cache is not None,
       softcap=bool(self.softcap),

@@ -46,8 +46,8 @@ def get_config(arg=None):
   # and memory levers; not measured here (no accelerator), the intent of the recipe.
   c.mesh_rules = [
       ("cpu*", {"mesh.fsdp": -1}),
-      ("gpu-*h100*x8", {"mesh.fsdp": 8, "model.remat": "save_dots"}),
-      ("gpu-*h200*x8", {"mesh.fsdp": 8}),
+      # GPUs: 1 and 8 of 80 GB and of 141 GB, sized by arithmetic (common/mesh.gpu_rules).
+      *mesh.gpu_rules(c.model, batch_size=c.train.batch_size, seq_len=c.data.seq_len),
       # TPU, 64-chip slices: micro-batches per generation, sized with `zoo plan`.
       *mesh.tpu_rules(v5p=2, v4=8, v6e=8, v5e=32),
   ]

@@ -2,6 +2,7 @@
 causality by gradients, GQA/MQA == MHA with repeated k/v, masks, soft-cap, QK-norm, KV cache;
 impl="flash" == impl="xla", and the fallbacks to "xla"."""
 
+import contextlib
 import logging
 import math
 
@@ -283,6 +284,8 @@ def test_bad_configs_are_user_errors():
     layer(mask="prefix")
   with pytest.raises(UserError):
     layer(impl="pallas")
+  with pytest.raises(UserError, match="auto"):
+    layer(impl="Auto")
 
 
 def test_bfloat16_compute_stays_close():
@@ -493,6 +496,7 @@ def test_choose_impl(impl, kw, backend, want):
   assert attention.choose_impl(impl, backend=backend, **kw) == want
 
 
+@pytest.mark.cpu_only
 def test_cudnn_on_cpu_and_flash_when_decoding_run_xla():
   x = randn(53, (2, 6, 32))
   want, _ = run(layer(), x)
@@ -502,6 +506,169 @@ def test_cudnn_on_cpu_and_flash_when_decoding_run_xla():
   cache = flash.init_cache(2, 8)
   got, cache = run(flash, x, cache=cache)
   np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# impl="auto": resolved for the platform compiled for (a pure function), and on this CPU the xla
+# path exactly.
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+@pytest.mark.parametrize(
+  "platform,kw,want",
+  [
+    ("cpu", dict(), "xla"),
+    ("cpu", dict(dtype=F32), "xla"),
+    ("tpu", dict(), "flash"),  # splash
+    ("tpu", dict(softcap=True, bidirectional_window=True), "flash"),
+    ("tpu", dict(bias=True), "xla"),
+    ("tpu", dict(cache=True), "xla"),
+    ("gpu", dict(), "cudnn"),
+    ("gpu", dict(dtype=jnp.float16, segments=True, bias=True), "cudnn"),
+    ("gpu", dict(head_dim=256), "xla"),  # over 128 on a GPU not known to be Hopper or later
+    ("gpu", dict(head_dim=256, device_kind="NVIDIA H200"), "cudnn"),
+    ("gpu", dict(head_dim=256, device_kind="gpu-nvidia-h100-80gb-hbm3x8"), "cudnn"),
+    ("gpu", dict(head_dim=256, device_kind="NVIDIA A100-SXM4-80GB"), "xla"),
+    ("gpu", dict(head_dim=72), "cudnn"),
+    ("gpu", dict(head_dim=36), "xla"),  # not a multiple of 8; the kernel failed in bf16
+    ("gpu", dict(seq_len=2047, segments=True), "xla"),  # odd length with a mask-as-bias
+    ("gpu", dict(seq_len=2047), "cudnn"),
+    # What cuDNN cannot take: float32, a soft-cap, a bidirectional window, a cache.
+    ("gpu", dict(dtype=F32), "flash"),
+    ("gpu", dict(dtype=F32, seq_len=2000), "xla"),  # a padded length: the kernel failed there
+    ("gpu", dict(dtype=F32, bias=True), "xla"),
+    ("gpu", dict(softcap=True), "xla"),  # bf16: the kernel failed its bf16 case on an H200
+    ("gpu", dict(dtype=F32, softcap=True), "flash"),
+    ("gpu", dict(bidirectional_window=True), "xla"),
+    ("gpu", dict(dtype=F32, bidirectional_window=True), "flash"),
+    ("gpu", dict(cache=True), "xla"),
+    ("gpu", dict(cache=True, dtype=F32), "xla"),
+  ],
+)
+def test_resolve_auto(platform, kw, want):
+  kw = dict(dtype=BF16, head_dim=64, seq_len=2048) | kw
+  impl, why = attention.resolve_auto(platform=platform, **kw)
+  assert impl == want, why
+  assert why.startswith(platform)
+
+
+@pytest.mark.cpu_only
+def test_auto_is_the_default_and_runs_the_xla_path_on_cpu(caplog, monkeypatch):
+  """On a CPU "auto" is "xla": the same numbers, output and gradients, with packed segments;
+  the choice is logged once."""
+  assert attention.config(num_heads=2, head_dim=8).impl == "auto"
+  monkeypatch.setattr(attention, "_logged", set())
+  caplog.set_level(logging.INFO, logger=attention.__name__)
+  x = randn(54, (2, 12, 32))
+  seg = np.array([[1] * 5 + [2] * 7, [3] * 9 + [0] * 3])
+  positions = position.positions_from_segments(jnp.asarray(seg))
+  w = randn(55, (2, 12, 32))
+  args = (ROPE, jnp.asarray(x), positions, jnp.asarray(seg, jnp.int32), jnp.asarray(w))
+  kw = dict(num_kv_heads=2, qk_norm="rms")
+  out_a, grads_a = _out_and_grads(layer(impl="auto", **kw), *args)
+  out_x, grads_x = _out_and_grads(layer(impl="xla", **kw), *args)
+  np.testing.assert_array_equal(out_a, out_x)
+  for g_a, g_x in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_x), strict=True):
+    np.testing.assert_array_equal(g_a, g_x)
+  run(layer(impl="auto"), randn(56, (1, 7, 32)))  # another trace: no second message
+  messages = [r.getMessage() for r in caplog.records if "resolved" in r.getMessage()]
+  assert messages == [
+    "attention impl='auto': resolved to 'xla': cpu: the XLA path (with query blocks)"
+  ], messages
+
+
+def test_describe_auto_per_layer_kind():
+  """`zoo show`'s line: Gemma 2 (soft-cap) never gets cuDNN; Gemma 3's 256-wide heads get it on a
+  Hopper GPU only; an fp32 Llama gets the kernel on a GPU, xla on a CPU."""
+  from nnx_zoo.zoo.gemma import model as gemma
+  from nnx_zoo.zoo.llama import model as llama
+
+  g2, g3 = gemma.config("gemma2-2b"), gemma.config("gemma3-1b")
+  g2.dtype = g3.dtype = "bfloat16"
+  assert attention.describe_auto(g2, platform="gpu", seq_len=4096).startswith("xla (")
+  assert attention.describe_auto(g3, platform="gpu", seq_len=4096).startswith("xla (")
+  h200 = attention.describe_auto(g3, platform="gpu", seq_len=4096, device_kind="NVIDIA H200")
+  assert h200.startswith("cudnn (")
+  tiny = llama.config("tiny")
+  assert attention.describe_auto(tiny, platform="gpu", seq_len=256).startswith("flash (")
+  assert attention.describe_auto(tiny, platform="cpu", seq_len=256).startswith("xla (")
+  tiny.attention.impl = "xla"
+  assert attention.describe_auto(tiny, platform="gpu", seq_len=256) == ""
+
+
+# What compiles for a GPU, proved on this CPU: the layer traced as for GPUs and lowered for CUDA.
+# The platform "auto" resolves for is the mesh's devices (checked first); the lowering patches
+# that lookup, and runs under an abstract mesh of GPUs only where the Triton kernel is expected:
+# jax 0.12 lowers Pallas Triton without a GPU only under one, and refuses cuDNN's call under one
+# (jax 0.10 takes both). jax builds the cuDNN call only with a local cuDNN (its version and
+# compute-capability checks query the machine), so those checks are stubbed: everything else
+# (shapes, layout, mask, GQA, the backward) is jax's own validation.
+
+
+def gpu_mesh(device_kind="NVIDIA H200"):
+  """An abstract one-GPU mesh to trace under: what a sharded step on a GPU machine sees."""
+  device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("data",), abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
+def test_target_platform_is_the_meshs_devices():
+  from nnx_zoo.kernels import tpu_attention
+
+  assert tpu_attention.target_platform() == "cpu"
+  with gpu_mesh():
+    assert tpu_attention.target_platform() == "gpu"
+    assert tpu_attention.target_device_kind() == "NVIDIA H200"
+
+
+def _lower_layer_for_gpu(monkeypatch, dtype, device_kind="NVIDIA H200", pos=None, **kw):
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+
+  from nnx_zoo.kernels import tpu_attention
+
+  monkeypatch.setattr(cudnn_fa, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(cudnn_fa, "check_compute_capability", lambda capability: False)
+  monkeypatch.setattr(cudnn_fa, "is_cuda_compute_capability_equal", lambda capability: False)
+  monkeypatch.setattr(tpu_attention, "target_platform", lambda: "gpu")
+  monkeypatch.setattr(tpu_attention, "target_device_kind", lambda: device_kind)
+  monkeypatch.setattr(attention, "_logged", set())
+  cfg = attention.config(num_heads=8, num_kv_heads=2, head_dim=64, **kw)
+  attn = nnx.eval_shape(lambda: attention.Attention(cfg, 256, dtype=dtype, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(attn)
+  rope = pos or position.RoPE(64, theta=1e4, scaling=position.rope_scaling())
+
+  def loss(state, x_BTD, seg_BT):
+    positions = jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
+    out, _ = nnx.merge(graphdef, state)(
+      x_BTD, positions_BT=positions, segment_ids_BT=seg_BT, position=rope
+    )
+    return out.astype(jnp.float32).sum()
+
+  x = jax.ShapeDtypeStruct((2, 256, 256), dtype)
+  seg = jax.ShapeDtypeStruct((2, 256), jnp.int32)
+  with gpu_mesh() if dtype == jnp.float32 else contextlib.nullcontext():
+    lowered = jax.jit(jax.grad(loss)).trace(state, x, seg).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  return {
+    "cudnn": text.count("__cudnn$fmha"),
+    "triton": text.count("xla.gpu.triton"),
+  }
+
+
+@pytest.mark.parametrize(
+  "dtype,kw,want",
+  [
+    (jnp.bfloat16, dict(), {"cudnn": 2, "triton": 0}),  # forward, backward
+    (jnp.bfloat16, dict(window=64), {"cudnn": 2, "triton": 0}),
+    (jnp.float32, dict(), {"cudnn": 0, "triton": 3}),  # forward, dq, dk/dv kernels
+    (jnp.bfloat16, dict(softcap=30.0), {"cudnn": 0, "triton": 0}),  # xla
+    (jnp.bfloat16, dict(pos=position.ALiBi()), {"cudnn": 2, "triton": 0}),  # bias + segments
+  ],
+  ids=["bf16-cudnn", "bf16-window-cudnn", "fp32-flash", "bf16-softcap-xla", "bf16-alibi-cudnn"],
+)
+def test_auto_lowers_for_gpu(monkeypatch, dtype, kw, want):
+  assert _lower_layer_for_gpu(monkeypatch, dtype, **kw) == want
 
 
 # ---------------------------------------------------------------------------------------------

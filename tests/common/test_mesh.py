@@ -78,10 +78,10 @@ def test_experiment_mesh_rule_applies_before_command_line_overrides():
 
   h100 = "gpu-nvidia-h100-80gb-hbm3x8"
   cfg = experiments.get_config("lm/llama3-8b", hardware=h100)
-  assert (cfg.mesh.fsdp, cfg.model.remat) == (8, "save_dots")
+  assert (cfg.mesh.fsdp, cfg.model.remat) == (8, "full")
   assert "gpu-*h100*x8" in cfg.mesh_rule
-  cfg = experiments.get_config("lm/llama3-8b", {"model.remat": "full"}, hardware=h100)
-  assert cfg.model.remat == "full"  # the user's override wins
+  cfg = experiments.get_config("lm/llama3-8b", {"model.remat": "save_dots"}, hardware=h100)
+  assert cfg.model.remat == "save_dots"  # the user's override wins
   cfg = experiments.get_config("lm/llama3-8b", hardware="tpu-v4x8")
   assert "matches no mesh rule" in cfg.mesh_rule and cfg.mesh.fsdp == -1
 
@@ -141,3 +141,66 @@ def test_tpu_rules_for_larger_slices_and_experts():
     mesh.tpu_rules(v5e=8, expert=32)
   with pytest.raises(UserError, match="multiple of 64"):
     mesh.tpu_rules(v5e=8, chips=96)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU rules: sized by arithmetic (no GPU measured them), for 1 and 8 GPUs of 80 and 141 GB.
+
+BIG = [
+  "lm/llama2-7b",
+  "lm/llama3-8b",
+  "lm/mistral-7b",
+  "lm/mixtral-8x7b",
+  "lm/qwen3-30b-a3b",
+  "lm/gemma2-2b",
+  "lm/gemma3-1b",
+  "lm/qwen3-0.6b",
+]
+
+
+@pytest.mark.parametrize("exp", BIG)
+def test_gpu_rules_state_is_the_models_and_every_rule_fits_its_budget(exp):
+  """The parameter count the rules size the state by is the abstractly built model's; each rule
+  fits state + a micro-batch's activations in XLA's 75% of the memory, and no fewer micro-batches
+  would (the fewest that fit)."""
+  from nnx_zoo.common import experiments, models
+
+  c = experiments.get_config(exp)
+  # Norms (and Qwen's q/k norms) are left out of the arithmetic: within 0.1% of the real count.
+  assert mesh._param_count(c.model) == pytest.approx(models.num_params(c.model), rel=1e-3)
+  per_row = mesh._activation_bytes_per_row(c.model, c.data.seq_len)
+  state = 16 * models.num_params(c.model)
+  rules = mesh.gpu_rules(c.model, batch_size=c.train.batch_size, seq_len=c.data.seq_len)
+  assert rules == [r for r in c.mesh_rules if r[0].startswith("gpu-")]  # the recipe uses them
+  for pattern, o in rules:
+    gpus = int(pattern.rsplit("x", 1)[1])
+    memory = 141 if "h200" in pattern else 80
+    budget = memory * 1e9 * mesh.XLA_MEMORY_FRACTION - mesh.GPU_RESERVE
+    rows = c.train.batch_size // gpus // o["train.micro_batches"]
+    assert state / gpus + rows * per_row <= budget, pattern
+    total = c.train.batch_size // gpus
+    fewer = [d for d in range(1, o["train.micro_batches"]) if total % d == 0]
+    assert all(state / gpus + total // d * per_row > budget for d in fewer), pattern
+    assert o.get("mesh.fsdp", 1) == gpus and o["model.remat"] == "full"
+
+
+def test_gpu_rules_match_jax_hardware_names_and_skip_what_cannot_fit():
+  """The patterns match the names jax's devices give (mesh.hardware_name); a 7-8 B model's 128 GB
+  of state gets no one-GPU rule, and Mixtral none on 8 GPUs of 80 GB (93 GB a GPU)."""
+  from nnx_zoo.common import experiments
+
+  small = experiments.get_config("lm/qwen3-0.6b")
+  rules = small.mesh_rules
+  for name, want in [
+    ("gpu-nvidia-h100-80gb-hbm3x8", "gpu-*h100*x8"),
+    ("gpu-nvidia-h100-pciex1", "gpu-*h100*x1"),
+    ("gpu-nvidia-a100-sxm4-80gbx8", "gpu-*80gb*x8"),
+    ("gpu-nvidia-h200x1", "gpu-*h200*x1"),
+    ("gpu-nvidia-h200x8", "gpu-*h200*x8"),
+  ]:
+    assert mesh.pick_rule(rules, name)[0] == want, name
+  assert mesh.pick_rule(rules, "gpu-nvidia-h200x16") is None
+  big = experiments.get_config("lm/llama3-8b").mesh_rules
+  assert not [p for p, _ in big if p.endswith("x1")]
+  mixtral = [p for p, _ in experiments.get_config("lm/mixtral-8x7b").mesh_rules]
+  assert "gpu-*h200*x8" in mixtral and "gpu-*h100*x8" not in mixtral

@@ -121,10 +121,13 @@ def test_score_pairs_count_what_the_attention_mask_lets_through(causal, window):
 def test_kernel_flops_count_splash_attention_only_where_it_runs():
   """XLA's cost analysis sees nothing inside a Mosaic kernel: the plan adds splash attention's
   matmuls by count, for flash layers only (Gemma 2's sliding layers fewer, rematerialised more)."""
-  cfg = plan.config("lm/llama3-8b:smoke", "v5e-4")
+  cfg = plan.config("lm/llama3-8b:smoke", "v5e-4", {"model.attention.impl": "xla"})
   assert plan.kernel_flops(cfg)[0] == 0.0  # impl=xla: XLA counts it
+  cfg.model.attention.impl = "auto"  # splash on a TPU
+  auto = plan.kernel_flops(cfg)[0]
   cfg.model.attention.impl = "flash"
   flops, how = plan.kernel_flops(cfg)
+  assert auto == flops
   m, T, B = cfg.model, cfg.data.seq_len, cfg.train.batch_size
   pairs = T * (T + 1) // 2
   assert flops == 18 * m.attention.head_dim * m.attention.num_heads * pairs * B * m.num_layers

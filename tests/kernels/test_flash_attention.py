@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from nnx_zoo.kernels import flash_attention as fa
@@ -203,12 +202,66 @@ def test_lowers_for_gpu_with_triton(N, K, H):
     out, vjp = jax.vjp(f, q, k, v)
     return out, vjp(do)
 
-  # Pallas' Triton lowering reads the target GPU off the abstract mesh when no GPU is attached
-  # (jax >= 0.11 refuses without one; 0.10 assumed a default): an H100, compute capability 9.0.
-  h100 = AbstractMesh((), (), abstract_device=AbstractDevice("NVIDIA H100", None, "gpu"))
-  with jax.sharding.use_abstract_mesh(h100):
-    lowered = jax.jit(step).trace(q, k, k, q, seg).lower(lowering_platforms=("cuda",))
-  assert lowered.as_text().count("xla.gpu.triton") == 3, "forward, dq and dk/dv kernels"
+  # Under an abstract mesh of GPUs: jax 0.12 lowers Pallas Triton without a GPU only so.
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+  with jax.sharding.use_abstract_mesh(
+    jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  ):
+    text = jax.jit(step).trace(q, k, k, q, seg).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 3, "forward, dq and dk/dv kernels"
+
+
+def _kernel_dots(fn, *args):
+  """(lhs shape, rhs shape, precision) of every dot_general inside the Pallas kernels `fn` traces
+  (the kernels' own jaxprs, loops included)."""
+  dots = []
+
+  def walk(jaxpr, in_kernel):
+    for eqn in jaxpr.eqns:
+      inside = in_kernel or eqn.primitive.name == "pallas_call"
+      if inside and eqn.primitive.name == "dot_general":
+        lhs, rhs = (v.aval.shape for v in eqn.invars)
+        dots.append((lhs, rhs, eqn.params["precision"]))
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          if hasattr(sub, "eqns"):
+            walk(sub, inside)
+          elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+            walk(sub.jaxpr, inside)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
+  return dots
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_compiled_kernels_have_no_dot_under_16(dtype):
+  """Triton's smallest dot is 16 x 16 x 16 (its front end asserts it; Pallas emits Triton IR past
+  that check): compiled, the kernel raises small blocks and head dims to 16. Interpret mode keeps
+  the blocks asked for (8 here)."""
+  q, k = randn(10, (1, 12, 4, 8), dtype=dtype), randn(11, (1, 12, 2, 8), dtype=dtype)
+
+  def step(interpret):
+    f = lambda q, k, v: fa.flash_attention(
+      q, k, v, causal=True, block_q=8, block_k=8, interpret=interpret
+    )
+    return lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)
+
+  compiled = _kernel_dots(step(False), q, k, k, q)
+  assert len(compiled) >= 7  # forward 2, dq 3, dk/dv 4 (per loop body)
+  assert all(min(*lhs, *rhs) >= fa.TRITON_MIN_DOT for lhs, rhs, _ in compiled), compiled
+  interpreted = _kernel_dots(step(True), q, k, k, q)
+  assert min(min(*lhs, *rhs) for lhs, rhs, _ in interpreted) == 8
+
+
+def test_kernel_dots_follow_the_default_matmul_precision():
+  """On a GPU, Triton runs an fp32 dot of DEFAULT precision as TF32; under
+  jax_default_matmul_precision="highest" (what tests/conftest.py sets on a GPU) the kernels' dots
+  carry HIGHEST, which Pallas lowers to IEEE fp32 (jax._src.pallas.triton.lowering)."""
+  q = randn(12, (1, 16, 2, 16))
+  f = lambda q, k, v: fa.flash_attention(q, k, v, causal=True, interpret=False)
+  with jax.default_matmul_precision("highest"):
+    highest = _kernel_dots(f, q, q, q)
+  assert highest and all(p == (jax.lax.Precision.HIGHEST,) * 2 for *_, p in highest), highest
 
 
 def test_scale_other_than_one_over_sqrt_h():
