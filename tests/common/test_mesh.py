@@ -158,6 +158,7 @@ BIG = [
 ]
 
 
+@pytest.mark.slow  # builds each recipe's model abstractly: 3-13 s each on 2 cores
 @pytest.mark.parametrize("exp", BIG)
 def test_gpu_rules_state_is_the_models_and_every_rule_fits_its_budget(exp):
   """The parameter count the rules size the state by is the abstractly built model's; each rule
