@@ -278,12 +278,13 @@ def test_modifier_fits_full_model(modifier, exp):
   assert loss.shape == () and jax.tree.leaves(grads)
 
 
-# (g) No family defines its own attention, positions, norm, MLP, MoE, patch embedding or block
+# (g) No family defines its own attention, positions, norm, MLP, MoE, patch embedding, block or
+# front-end (a convolutional stem)
 
 DEFINITIONS = [
   re.compile(
     r"class \w*(Attention|Norm|Rotary|RoPE|MLP|FeedForward|MoE|Expert|Router|Block|Layer"
-    r"|PatchEmbed|Position|Embedding|Decoder|Encoder)"
+    r"|PatchEmbed|Stem|Conv|Position|Embedding|Decoder|Encoder)"
   ),
   re.compile(r"def \w*(apply_rope|rotary|rope_|relative_position|attend|patchify)"),
 ]
