@@ -70,13 +70,20 @@ def log_mel(
   if audio.ndim != 1:
     raise UserError(f"Expected mono audio [samples], got shape {audio.shape}.")
   n = int(round(seconds * SAMPLE_RATE))
+  length = min(len(audio), n)
   audio = np.pad(audio[:n], (0, max(0, n - len(audio))))
   padded = np.pad(audio, N_FFT // 2, mode="reflect")  # a centred STFT
-  frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP]
+  num_frames = n // HOP  # the last frame dropped, as Whisper does
+  # Frames past the audio see only the zero padding (power 0): their log is the floor, so only
+  # the frames that touch the audio are transformed (short audio in a 30 s window: most of it).
+  busy = min(num_frames, -(-(length + N_FFT // 2) // HOP) + 1)
+  if busy > num_frames - 2:  # near the end the reflect padding reaches back into the audio
+    busy = num_frames
+  frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP][:busy]
   window = get_window("hann", N_FFT)  # periodic (fftbins=True), as torch's hann_window
   power = np.abs(np.fft.rfft(frames * window, axis=-1)) ** 2
-  mel = power[:-1] @ mel_filters(num_mels)  # the last frame dropped, as Whisper does
-  log_spec = np.log10(np.maximum(mel, 1e-10))
+  log_spec = np.full((num_frames, num_mels), -10.0)  # log10 of the 1e-10 floor
+  log_spec[:busy] = np.log10(np.maximum(power @ mel_filters(num_mels), 1e-10))
   log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
   return ((log_spec + 4.0) / 4.0).astype(np.float32)
 
