@@ -119,7 +119,11 @@ def cmd_show(args, overrides):
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
   print(cfg)
   print(f"# mesh rule: {cfg.mesh_rule}")
-  print(f"# parameters: {models.num_params(cfg.model):,} (computed abstractly, nothing allocated)")
+  count = models.num_params(cfg.model)
+  print(f"# parameters: {count:,} (computed abstractly, nothing allocated)")
+  fixed = models.num_fixed(cfg.model)
+  if fixed:  # Whisper's encoder sinusoids: transformers counts them as (frozen) parameters
+    print(f"# with the fixed sinusoidal tables as weights (transformers' count): {count + fixed:,}")
   if cfg.model.get("mlp") and cfg.model.mlp.kind == "moe":  # CLIP's towers: no top-level mlp
     mlp = cfg.model.mlp
     print(

@@ -22,7 +22,8 @@ def test_presets_have_transformers_parameter_counts(preset):
   sinusoids as a frozen [max_source_positions, D] weight, which the zoo computes."""
   cfg = whisper.config(preset)
   assert cfg.position.max_len == 1500
-  assert models.num_params(cfg) + 1500 * cfg.dim == whisper.HF_PARAMS[preset]
+  assert models.num_fixed(cfg) == 1500 * cfg.dim
+  assert models.num_params(cfg) + models.num_fixed(cfg) == whisper.HF_PARAMS[preset]
 
 
 def tiny(seed=0, **overrides):
@@ -62,3 +63,16 @@ def test_padded_frames_are_unseen():
   a = model(jnp.asarray(frames), dec, segment_ids_BS=jnp.asarray(segments))
   b = model(jnp.asarray(noisy), dec, segment_ids_BS=jnp.asarray(segments))
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_zoo_show_prints_transformers_count(capsys):
+  """`zoo show` adds the fixed sinusoids to the count, as transformers counts them."""
+  from nnx_zoo.common import cli, experiments
+
+  assert cli.main(["show", "speech/spoken-digits"]) == 0
+  out = capsys.readouterr().out
+  cfg = experiments.get_config("speech/spoken-digits").model
+  fixed = models.num_fixed(cfg)
+  assert fixed == cfg.position.max_len * cfg.dim
+  assert f"# parameters: {models.num_params(cfg):,}" in out
+  assert f"(transformers' count): {models.num_params(cfg) + fixed:,}" in out
