@@ -15,6 +15,7 @@ zoo plan EXP --topology NAME [--config.KEY=VALUE ...]  # compile for a TPU slice
 zoo run  EXP --workdir DIR [--config.KEY=VALUE ...]   # train; resumes if DIR has a checkpoint
 zoo eval EXP --workdir DIR [--config.KEY=VALUE ...]   # held-out loss of DIR's latest checkpoint
 zoo generate --workdir DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
+zoo generate --workdir DIR --audio FILE.wav       # a speech model's transcript of the audio
 zoo convert hf SRC_DIR --out DIR [--param-dtype float32]  # Hugging Face dir -> zoo checkpoint
 zoo export hf --workdir DIR --out DIR             # zoo checkpoint -> Hugging Face dir
 
@@ -71,9 +72,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--process-id", type=int)
   gen = sub.add_parser("generate")
   gen.add_argument("--workdir", required=True)
-  gen.add_argument("--prompt", required=True)
+  what = gen.add_mutually_exclusive_group(required=True)
+  what.add_argument("--prompt")
+  what.add_argument("--audio", help="a WAV file to transcribe (a speech model's workdir)")
   gen.add_argument("--max-new-tokens", type=int, default=200)
-  gen.add_argument("--temperature", type=float, default=0.8)
+  gen.add_argument("--temperature", type=float, help="0: greedy (default 0.8; --audio: 0)")
   gen.add_argument("--top-k", type=int, default=0)
   gen.add_argument("--top-p", type=float, default=1.0)
   gen.add_argument("--seed", type=int, default=0)
@@ -117,7 +120,11 @@ def cmd_show(args, overrides):
   print(cfg)
   print(f"# mesh rule: {cfg.mesh_rule}")
   _print_attention_impl(cfg, hardware(args))
-  print(f"# parameters: {models.num_params(cfg.model):,} (computed abstractly, nothing allocated)")
+  count = models.num_params(cfg.model)
+  print(f"# parameters: {count:,} (computed abstractly, nothing allocated)")
+  fixed = models.num_fixed(cfg.model)
+  if fixed:  # Whisper's encoder sinusoids: transformers counts them as (frozen) parameters
+    print(f"# with the fixed sinusoidal tables as weights (transformers' count): {count + fixed:,}")
   if cfg.model.get("mlp") and cfg.model.mlp.kind == "moe":  # CLIP's towers: no top-level mlp
     mlp = cfg.model.mlp
     print(
@@ -191,6 +198,44 @@ def cmd_eval(args, overrides):
   print(json.dumps({"step": step, "split": "eval", **result}))
 
 
+def _transcribe(args, cfg, seq2seq: bool):
+  """`zoo generate --audio`: the transcript of a WAV file by a speech model (an encoder-decoder
+  of log-mel frames), greedy unless --temperature says otherwise."""
+  import jax
+  import numpy as np
+
+  from nnx_zoo.common import sampling
+  from nnx_zoo.common.data import audio, speech
+  from nnx_zoo.common.hub import weights
+
+  if not seq2seq or cfg.model.get("inputs") != "frames":
+    raise UserError(
+      f"--audio needs a speech model (an encoder-decoder of log-mel frames, e.g. Whisper); "
+      f"{args.workdir} holds a {cfg.model.family} model: give it --prompt TEXT."
+    )
+  if cfg.data.get("kind") not in speech.KINDS:
+    raise UserError(
+      f"{args.workdir} has no word list to write its tokens with (data.kind "
+      f"{cfg.data.get('kind')!r}): --audio reads the workdir of a speech experiment."
+    )
+  # The model's window: its encoder positions times the stem's strides, at 100 frames a second.
+  frames = cfg.model.position.max_len * int(np.prod(cfg.model.stem_strides))
+  seconds = min(cfg.data.seconds, frames / 100)
+  clip = audio.read_wav(args.audio, max_seconds=seconds)
+  features = audio.log_mel(clip, num_mels=cfg.model.channels, seconds=seconds)
+  graphdef, params, _ = weights.restore_params(cfg, args.workdir)
+  out = sampling.generate_seq2seq(
+    (graphdef, params),
+    features[None],
+    max_new_tokens=min(args.max_new_tokens, cfg.model.decoder_position.max_len),
+    rng=jax.random.key(args.seed),
+    temperature=args.temperature or 0.0,
+    top_k=args.top_k,
+    top_p=args.top_p,
+  )
+  print(speech.decode(np.asarray(out[0])))
+
+
 def cmd_generate(args, _overrides):
   import jax
   import numpy as np
@@ -208,6 +253,10 @@ def cmd_generate(args, _overrides):
     cfg = config_lib.from_json(f.read())
   model_cls = models.family_module(cfg.model.family).Model
   seq2seq = issubclass(model_cls, EncoderDecoder)
+  if args.audio is not None or cfg.model.get("inputs") == "frames":
+    if args.audio is None:
+      raise UserError(f"{args.workdir} holds a speech model: give it --audio FILE.wav.")
+    return _transcribe(args, cfg, seq2seq)
   if not seq2seq and not hasattr(model_cls, "init_cache"):
     raise UserError(f"{cfg.model.family} is an encoder: `zoo generate` needs a decoder.")
   if not seq2seq and spans.has_sentinels(args.prompt):
@@ -215,6 +264,8 @@ def cmd_generate(args, _overrides):
       f"The prompt has T5 sentinels (<extra_id_N>), which {cfg.model.family}, a decoder-only "
       "model, does not read: give plain text, or the --workdir of an encoder-decoder run."
     )
+  if args.temperature is None:
+    args.temperature = 0.8
   graphdef, params, _ = weights.restore_params(cfg, args.workdir)
   tokenizer = tokenizers.load(cfg.data.tokenizer)
   if seq2seq:  # the prompt is the encoder's input; the decoder writes the output

@@ -54,6 +54,17 @@ def num_params(cfg, which=nnx.Param) -> int:
   return sum(int(x.size) for x in jax.tree.leaves(state))
 
 
+def num_fixed(cfg) -> int:
+  """The values of the fixed tables a model computes instead of storing (sinusoidal positions),
+  which other implementations may hold as frozen weights (transformers' Whisper)."""
+  from nnx_zoo.common.nn import position
+
+  model = abstract(cfg)
+  return sum(
+    m.max_len * m.dim for _, m in nnx.iter_graph(model) if isinstance(m, position.Sinusoidal)
+  )
+
+
 def num_active_params(cfg) -> int:
   """The parameters one token computes with: an MoE layer's experts (the weights with logical
   axis E) count top_k / num_experts of their size, everything else whole."""

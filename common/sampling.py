@@ -133,6 +133,8 @@ def _generate_seq2seq(
   B = inputs_BS.shape[0]
   sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
   source_BSD = model.encode(inputs_BS, segment_ids_BS=segment_ids_BS)  # once, for every step
+  # The source's own ids (an audio encoder's stem shortens the frames' ones).
+  segment_ids_BS = model.source_segment_ids(inputs_BS, segment_ids_BS)
   cache = model.init_cache(source_BSD, max_new_tokens, segment_ids_BS=segment_ids_BS)
 
   def step(carry, step_rng):
@@ -143,7 +145,7 @@ def _generate_seq2seq(
 
   start_B = jnp.full((B,), model.decoder_start_id, jnp.int32)
   _, new_NB = jax.lax.scan(step, (start_B, cache), jax.random.split(rng, max_new_tokens))
-  return new_NB.T.astype(inputs_BS.dtype)
+  return new_NB.T.astype(jnp.int32)
 
 
 def generate_seq2seq(
@@ -157,14 +159,17 @@ def generate_seq2seq(
   top_k: int = 0,
   top_p: float = 1.0,
 ) -> jax.Array:
-  """An encoder-decoder's output for source tokens `inputs_BS` (segment ids: 0 = padding):
-  `max_new_tokens` tokens sampled after the decoder's start token, [B, max_new_tokens]."""
+  """An encoder-decoder's output for source tokens `inputs_BS` (segment ids: 0 = padding), or
+  an audio encoder's feature frames [B, T, C]: `max_new_tokens` tokens sampled after the
+  decoder's start token, [B, max_new_tokens] int32."""
   graphdef, params = _split(model_or_split, seq2seq=True)
-  inputs_BS = jnp.asarray(inputs_BS, jnp.int32)
+  inputs_BS = jnp.asarray(inputs_BS)
+  if jnp.issubdtype(inputs_BS.dtype, jnp.integer):
+    inputs_BS = inputs_BS.astype(jnp.int32)
   if max_new_tokens < 1:
-    return inputs_BS[:, :0]
+    return jnp.zeros((inputs_BS.shape[0], 0), jnp.int32)
   if segment_ids_BS is None:
-    segment_ids_BS = jnp.ones(inputs_BS.shape, jnp.int32)
+    segment_ids_BS = jnp.ones(inputs_BS.shape[:2], jnp.int32)
   return _generate_seq2seq(
     params,
     inputs_BS,

@@ -21,5 +21,6 @@ REGISTRY = {
     "vision/clip-digits": "nnx_zoo.experiments.vision.clip_digits",
     "vision/vit-b16": "nnx_zoo.experiments.vision.vit_b16",
     "vision/clip-vit-b32": "nnx_zoo.experiments.vision.clip_vit_b32",
+    "speech/spoken-digits": "nnx_zoo.experiments.speech.spoken_digits",
 }
 DEFAULT = "lm/shakespeare-char"

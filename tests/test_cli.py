@@ -244,3 +244,54 @@ def test_eval(capsys, workdir):
   assert lines_after[: len(lines_before)] == lines_before
   (added,) = lines_after[len(lines_before) :]
   assert json.loads(added) == result
+
+
+# zoo generate --audio (a speech model's transcript)
+
+SPEECH = "speech/spoken-digits:smoke"
+
+
+def write_config(path, exp: str):
+  path.mkdir(parents=True, exist_ok=True)
+  (path / "config.json").write_text(experiments.get_config(exp).to_json())
+
+
+def test_generate_audio_refusals(capsys, tmp_path):
+  """--audio on a language model, --prompt on a speech model, and both at once."""
+  write_config(tmp_path / "lm", SMOKE)
+  write_config(tmp_path / "speech", SPEECH)
+  code, _, err = zoo(capsys, "generate", "--workdir", tmp_path / "lm", "--audio", "a.wav")
+  assert_user_error(code, err, "--audio needs a speech model", "--prompt")
+  code, _, err = zoo(capsys, "generate", "--workdir", tmp_path / "speech", "--prompt", "hi")
+  assert_user_error(code, err, "speech model", "--audio FILE.wav")
+  code, _, err = zoo(capsys, "generate", "--workdir", tmp_path, "--prompt", "a", "--audio", "a")
+  assert code == 2 and "not allowed with argument" in err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng is not installed")
+def test_generate_audio_transcribes(capsys, tmp_path):
+  """A smoke run's transcript of a WAV file: digit words (what this tiny model writes), at
+  16 kHz or resampled from 22.05 kHz; a file longer than the model's window is refused."""
+  import numpy as np
+
+  from nnx_zoo.common.data import audio
+
+  run = tmp_path / "run"
+  assert cli.main(["run", SPEECH, "--workdir", str(run), "--quiet"]) == 0
+  clip = 0.1 * np.sin(2 * np.pi * 300 * np.arange(8000) / 16_000)
+  audio.write_wav(str(tmp_path / "a.wav"), clip)
+  audio.write_wav(str(tmp_path / "b.wav"), clip[::2], sample_rate=8_000)
+  for name in ("a.wav", "b.wav"):
+    code, out, err = zoo(capsys, "generate", "--workdir", run, "--audio", tmp_path / name)
+    assert code == 0, err
+    assert set(out.split()) <= set(speech_words())
+  audio.write_wav(str(tmp_path / "long.wav"), np.zeros(32_000))
+  code, _, err = zoo(capsys, "generate", "--workdir", run, "--audio", tmp_path / "long.wav")
+  assert_user_error(code, err, "2.0 s long", "at most 1 s")
+
+
+def speech_words():
+  from nnx_zoo.common.data import speech
+
+  return speech.WORDS

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn.patch import conv_from_kernel, kernel_from_conv
+from nnx_zoo.common.nn.patch import conv1d_from_kernel, conv_from_kernel, kernel_from_conv
 
 # Key maps
 
@@ -66,6 +66,33 @@ def patch_conv(hf: str, zoo: str, *, patch: int) -> Rule:
   )
 
 
+def conv1d(hf: str, zoo: str, *, width: int) -> list[Rule]:
+  """A torch Conv1d `hf` (.weight [D, C, w], .bias) as one convolution of a `ConvStem`, the
+  Linear `zoo` (.kernel [C * w, D], .bias)."""
+  return [
+    Rule(
+      f"{hf}.weight",
+      (f"{zoo}.kernel",),
+      lambda w: (kernel_from_conv(w),),
+      lambda k: conv1d_from_kernel(k, width=width),
+    ),
+    copy(f"{hf}.bias", f"{zoo}.bias"),
+  ]
+
+
+def fixed(hf: str, value: Callable, *, what: str) -> Rule:
+  """An HF tensor that is no zoo parameter because the zoo computes it (a fixed sinusoidal
+  table, `value()`): written on export; on import checked to hold that value, and dropped."""
+
+  def check(x):
+    want = value()
+    if x.shape != want.shape or not jnp.allclose(x.astype(jnp.float32), want, atol=1e-4):
+      raise UserError(f"{hf} is not {what}, which the zoo computes instead of storing.")
+    return ()
+
+  return Rule(hf, (), check, value)
+
+
 def stack_transposed(hf: tuple[str, ...], zoo: str) -> Rule:
   """Per-expert torch Linear weights [out, in] (one per name) as one [E, in, out] parameter."""
   n = len(hf)
@@ -104,7 +131,8 @@ def attention(hf: str, zoo: str, att) -> list[Rule]:
   shared Attention `zoo` with config `att` (its biases and QK-norm say which tensors exist)."""
   r = []
   for x in "qkv":
-    r += linear(f"{hf}.{x}_proj", f"{zoo}.{x}", bias=att.qkv_bias)
+    bias = att.qkv_bias and (x != "k" or att.get("key_bias", True))
+    r += linear(f"{hf}.{x}_proj", f"{zoo}.{x}", bias=bias)
   r += linear(f"{hf}.o_proj", f"{zoo}.o", bias=att.out_bias)
   if att.qk_norm != "none":
     r += [copy(f"{hf}.q_norm.weight", f"{zoo}.q_norm.scale")]

@@ -58,6 +58,7 @@ def config(
   mask: str = "causal",
   window: int = 0,
   qkv_bias: bool = False,
+  key_bias: bool = True,
   out_bias: bool = False,
   qk_norm: str = "none",
   softcap: float = 0.0,
@@ -66,9 +67,10 @@ def config(
 ) -> ml_collections.ConfigDict:
   """An attention sub-config. window=0: no sliding window; softcap=0: no soft-cap;
   qk_norm: "none", "rms" or "layer" (normalises each head's q and k, as Qwen3 and Gemma 3, with
-  the model's norm settings); scale: the logits' factor, 0 meaning head_dim ** -0.5 (Gemma:
-  query_pre_attn_scalar ** -0.5; T5: 1); impl: see the module docstring ("auto": chosen for the
-  platform compiled for)."""
+  the model's norm settings); key_bias=False drops k's bias when qkv_bias (Whisper: a bias on
+  the keys adds the same q.b to all of a query's logits, which softmax ignores); scale: the
+  logits' factor, 0 meaning head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5; T5: 1);
+  impl: see the module docstring ("auto": chosen for the platform compiled for)."""
   return ml_collections.ConfigDict(
     {
       "num_heads": num_heads,
@@ -77,6 +79,7 @@ def config(
       "mask": mask,
       "window": window,
       "qkv_bias": qkv_bias,
+      "key_bias": key_bias,
       "out_bias": out_bias,
       "qk_norm": qk_norm,
       "softcap": softcap,
@@ -409,7 +412,8 @@ class Attention(nnx.Module):
     self.dtype = dtype
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.q = Linear(dim, N * H, use_bias=cfg.qkv_bias, axes=("D", "NH"), **kw)
-    self.k = Linear(dim, K * H, use_bias=cfg.qkv_bias, axes=("D", "KH"), **kw)
+    key_bias = cfg.qkv_bias and cfg.get("key_bias", True)  # absent in configs saved before it
+    self.k = Linear(dim, K * H, use_bias=key_bias, axes=("D", "KH"), **kw)
     self.v = Linear(dim, K * H, use_bias=cfg.qkv_bias, axes=("D", "KH"), **kw)
     self.o = Linear(
       N * H, dim, use_bias=cfg.out_bias, axes=("NH", "D"), init_std=out_init_std, **kw

@@ -1,4 +1,6 @@
-"""Patch embedding (ViT, CLIP): images [B, H, W, C] -> one vector per patch [B, T, D].
+"""Patch embedding (ViT, CLIP): images [B, H, W, C] -> one vector per patch [B, T, D]; and its
+1-D relative, a stem of 1-D convolutions over feature frames [B, T, C] (Whisper's log-mel
+front-end), `ConvStem`.
 
 A convolution with stride = kernel = patch is a linear map of each flattened patch, so it runs as
 the shared `Linear` (one 2-D matmul, see DESIGN.md for why not 3-D, let alone a convolution).
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import mlp
 from nnx_zoo.common.nn.linear import Linear
 
 
@@ -76,3 +79,76 @@ class PatchEmbed(nnx.Module):
         f"{tuple(images_BHWC.shape)}."
       )
     return self.proj(patches(images_BHWC, self.patch))
+
+
+def conv1d_from_kernel(kernel: jax.Array, *, width: int) -> jax.Array:
+  """Our kernel [C * w, D] -> a Conv1d weight [D, C, w] (torch layout); `kernel_from_conv`
+  is the way back (it flattens any conv weight [D, C, ...])."""
+  return kernel.T.reshape(kernel.shape[1], -1, width)
+
+
+def windows(x_BTC: jax.Array, *, width: int, stride: int) -> jax.Array:
+  """[B, T, C] -> [B, T', C * width]: the window under each output of a 1-D convolution padded
+  by width // 2 on both sides (torch's `padding=width // 2`), flattened in (channel, tap) order.
+  T' = (T + 2 * (width // 2) - width) // stride + 1."""
+  B, T, C = x_BTC.shape
+  pad = width // 2
+  x = jnp.pad(x_BTC, ((0, 0), (pad, pad), (0, 0)))
+  out = (T + 2 * pad - width) // stride + 1
+  taps = [x[:, j : j + stride * (out - 1) + 1 : stride] for j in range(width)]  # w x [B, T', C]
+  return jnp.stack(taps, axis=-1).reshape(B, out, C * width)
+
+
+def stem_length(frames: int, *, width: int, strides) -> int:
+  """The sequence length after a `ConvStem` of `frames` input frames."""
+  for s in strides:
+    frames = (frames + 2 * (width // 2) - width) // s + 1
+  return frames
+
+
+class ConvStem(nnx.Module):
+  """1-D convolutions over frames [B, T, C] -> [B, T', D], each of `width` taps (padded by
+  width // 2), with bias, followed by `activation`; one per entry of `strides` (Whisper: two of
+  width 3, strides (1, 2), GELU). Like `PatchEmbed`, each runs as the shared `Linear` over the
+  flattened windows (one 2-D matmul); a torch Conv1d weight [D, C, w] is `kernel_from_conv`."""
+
+  def __init__(
+    self,
+    dim: int,
+    *,
+    channels: int,
+    width: int = 3,
+    strides: tuple[int, ...] = (1, 2),
+    activation="gelu_exact",
+    init_std: float = 0.02,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
+  ):
+    self.channels, self.width, self.strides = channels, width, tuple(strides)
+    self.activation = mlp.activation(activation)  # the activations' one registry
+    self.convs = nnx.List(
+      [
+        Linear(
+          (channels if i == 0 else dim) * width,
+          dim,
+          use_bias=True,
+          axes=(None, "D"),
+          init_std=init_std,
+          dtype=dtype,
+          param_dtype=param_dtype,
+          rngs=rngs,
+        )
+        for i in range(len(self.strides))
+      ]
+    )
+
+  def __call__(self, x_BTC: jax.Array) -> jax.Array:
+    if x_BTC.ndim != 3 or x_BTC.shape[-1] != self.channels:
+      raise UserError(
+        f"Expected frames [B, T, {self.channels}] (features last), got shape {tuple(x_BTC.shape)}."
+      )
+    x = x_BTC
+    for conv, stride in zip(self.convs, self.strides, strict=True):
+      x = self.activation(conv(windows(x, width=self.width, stride=stride)))
+    return x

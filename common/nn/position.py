@@ -1,9 +1,10 @@
-"""Position encodings, one choice per model: "rope" (with scaling), "alibi", "learned" or "none".
+"""Position encodings, one choice per model: "rope" (with scaling), "alibi", "learned",
+"sinusoidal" (fixed, added), "relative" (T5) or "none".
 
 Each kind answers three questions the model and attention ask, and the answer is "nothing" for
-the kinds it does not concern: `embed` adds to token embeddings (learned), `rotate` turns queries
-and keys (RoPE), `logit_bias` adds to attention logits (ALiBi). So a model calls all three and
-never branches on the kind.
+the kinds it does not concern: `embed` adds to token embeddings (learned, sinusoidal), `rotate`
+turns queries and keys (RoPE), `logit_bias` adds to attention logits (ALiBi). So a model calls
+all three and never branches on the kind.
 """
 
 import math
@@ -22,7 +23,8 @@ ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 
 def config(kind: str = "rope", **kw) -> ml_collections.ConfigDict:
-  """A position sub-config. rope: theta, scaling; learned: max_len; relative (T5): num_buckets,
+  """A position sub-config. rope: theta, scaling; learned: max_len; sinusoidal: max_len (the
+  longest sequence), theta (the longest wavelength's scale); relative (T5): num_buckets,
   max_distance, bidirectional (True in an encoder, False in a causal decoder); alibi and none:
   nothing."""
   if kind == "rope":
@@ -31,6 +33,8 @@ def config(kind: str = "rope", **kw) -> ml_collections.ConfigDict:
       cfg["scaling"] = kw.pop("scaling")
   elif kind == "learned":
     cfg = {"kind": "learned", "max_len": kw.pop("max_len")}
+  elif kind == "sinusoidal":
+    cfg = {"kind": "sinusoidal", "max_len": kw.pop("max_len"), "theta": kw.pop("theta", 10_000.0)}
   elif kind in ("alibi", "none"):
     cfg = {"kind": kind}
   elif kind == "relative":
@@ -41,7 +45,9 @@ def config(kind: str = "rope", **kw) -> ml_collections.ConfigDict:
       "bidirectional": kw.pop("bidirectional", True),
     }
   else:
-    raise UserError(f"Unknown position kind {kind!r}: use rope, alibi, learned, relative or none.")
+    raise UserError(
+      f"Unknown position kind {kind!r}: use rope, alibi, learned, sinusoidal, relative or none."
+    )
   if kw:
     raise UserError(f"Position kind {kind!r} takes no {sorted(kw)}.")
   return ml_collections.ConfigDict(cfg)
@@ -178,6 +184,38 @@ class Learned(Position):
     return x_BTD + jnp.take(table, positions_BT, axis=0).astype(x_BTD.dtype)
 
 
+def sinusoids(positions, dim: int, theta: float = 10_000.0) -> jax.Array:
+  """[..., D] fixed encodings of integer positions: D / 2 sines then D / 2 cosines, of
+  timescales 1 .. theta in geometric steps (tensor2tensor's timing signal, as Whisper's
+  encoder `sinusoids`; not the interleaved form of "Attention is all you need")."""
+  if dim % 2:
+    raise UserError(f"Sinusoidal positions need an even width, not {dim}.")
+  increment = math.log(theta) / (dim // 2 - 1)
+  inv_timescales = jnp.exp(-increment * jnp.arange(dim // 2, dtype=jnp.float32))
+  scaled = jnp.asarray(positions, jnp.float32)[..., None] * inv_timescales
+  return jnp.concatenate([jnp.sin(scaled), jnp.cos(scaled)], axis=-1)
+
+
+class Sinusoidal(Position):
+  """Fixed sinusoids added to the embeddings (Whisper's encoder): computed, not learned, so no
+  parameter (transformers stores Whisper's as a frozen [max_len, D] weight)."""
+
+  def __init__(self, max_len: int, dim: int, *, theta: float = 10_000.0):
+    self.max_len, self.dim, self.theta = max_len, dim, theta
+
+  def table(self) -> jax.Array:
+    """[max_len, D]: the encodings of positions 0 .. max_len - 1 (what transformers stores)."""
+    return sinusoids(jnp.arange(self.max_len), self.dim, self.theta)
+
+  def embed(self, x_BTD, positions_BT):
+    if positions_BT.shape[-1] > self.max_len:
+      raise UserError(
+        f"A sequence of {positions_BT.shape[-1]} is longer than model.position.max_len="
+        f"{self.max_len}."
+      )
+    return x_BTD + sinusoids(positions_BT, self.dim, self.theta).astype(x_BTD.dtype)
+
+
 def relative_position_bucket(
   relative_position, *, bidirectional: bool, num_buckets: int, max_distance: int
 ) -> jax.Array:
@@ -275,6 +313,8 @@ def make(
     return ALiBi()
   if cfg.kind == "learned":
     return Learned(cfg.max_len, dim, param_dtype=param_dtype, rngs=rngs)
+  if cfg.kind == "sinusoidal":
+    return Sinusoidal(cfg.max_len, dim, theta=cfg.theta)
   if cfg.kind == "relative":
     if num_heads is None:
       raise UserError(
@@ -292,7 +332,7 @@ def make(
   if cfg.kind == "none":
     return Position()
   raise UserError(
-    f"Unknown position kind {cfg.kind!r}: use rope, alibi, learned, relative or none."
+    f"Unknown position kind {cfg.kind!r}: use rope, alibi, learned, sinusoidal, relative or none."
   )
 
 

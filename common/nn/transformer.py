@@ -14,9 +14,11 @@ every choice that tells families apart is a config value:
   repetition of the pattern;
 - the sub-configs of attention, position, norm and MLP (`mlp.kind`: dense or MoE), each the
   shared layer's own config;
-- the Encoder's `inputs`: token ids (BERT, CLIP's text tower) or images cut into patches (ViT,
-  CLIP's vision tower, see `patch_inputs`), and `pool_at`, the token a classifier or a
-  projection reads (the first, or CLIP's end-of-text token).
+- the Encoder's `inputs`: token ids (BERT, CLIP's text tower), images cut into patches (ViT,
+  CLIP's vision tower, see `patch_inputs`) or feature frames through a stem of 1-D convolutions
+  (an audio front-end, see `frame_inputs`; so may an `EncoderDecoder`'s encoder), and
+  `pool_at`, the token a classifier or a projection reads (the first, or CLIP's end-of-text
+  token).
 
 `EncoderDecoder` (T5) is two such stacks: an encoder, and a decoder whose blocks have a third
 sub-layer, cross-attention to the encoder's output (`cross_attention`, between self-attention
@@ -42,14 +44,14 @@ from nnx_zoo.common.nn import (
   position,
 )
 from nnx_zoo.common.nn.linear import Embedding, Linear, dtypes, normal
-from nnx_zoo.common.nn.patch import PatchEmbed
+from nnx_zoo.common.nn.patch import ConvStem, PatchEmbed, stem_length
 
 NORM_PLACEMENTS = ("pre", "post", "both")
 # What a layer kind may change: fields of the attention config (merged), the position encoding
 # and the MLP (each replaced whole, so config modifiers that rewrite a kind of position reach it,
 # and a dense layer can sit among MoE ones).
 KIND_KEYS = ("attention", "position", "mlp")
-INPUTS = ("tokens", "patches")
+INPUTS = ("tokens", "patches", "frames")
 # What `Encoder.pool` reads: the first token ([CLS], a class token), the largest id of each row
 # (CLIP's end-of-text token, as HF's CLIP with eos_token_id 2), the first `end_token`, or the
 # mean of every token (images, which have no padding: big_vision's ViT "gap").
@@ -127,6 +129,55 @@ def patch_inputs(
     "pixel_mean": tuple(pixel_mean),
     "pixel_std": tuple(pixel_std),
   }
+
+
+def frame_inputs(
+  *,
+  channels: int,
+  width: int = 3,
+  strides: tuple[int, ...] = (1, 2),
+  activation: str = "gelu_exact",
+) -> dict:
+  """The keys of an encoder whose inputs are feature frames [B, T, channels] (log-mel
+  spectrograms: Whisper's 80 or 128 bins), to pass to `config(...)`: a `ConvStem` of one 1-D
+  convolution of `width` taps per entry of `strides`, each followed by `activation` (an MLP
+  activation's name), makes the encoder's T' = ~T / prod(strides) inputs."""
+  return {
+    "inputs": "frames",
+    "channels": channels,
+    "stem_width": width,
+    "stem_strides": tuple(strides),
+    "stem_activation": activation,
+  }
+
+
+def make_stem(cfg, rngs, dt) -> ConvStem:
+  """The `ConvStem` of a config with `frame_inputs`' keys."""
+  return ConvStem(
+    cfg.dim,
+    channels=cfg.channels,
+    width=cfg.stem_width,
+    strides=tuple(cfg.stem_strides),
+    activation=cfg.stem_activation,
+    init_std=cfg.init_std,
+    rngs=rngs,
+    **dt,
+  )
+
+
+def stem_segment_ids(stem: ConvStem, segment_ids_BT: jax.Array) -> jax.Array:
+  """The segment ids of a stem's outputs: those of the frame at the centre of each window
+  (output t of a stride-s convolution is centred on its input t * s)."""
+  if stem.width % 2 == 0:
+    raise UserError(f"Segment ids through a stem of even width {stem.width} are ambiguous.")
+  for s in stem.strides:
+    segment_ids_BT = segment_ids_BT[:, ::s]
+  return segment_ids_BT
+
+
+def num_frames_out(cfg, frames: int) -> int:
+  """The encoder's sequence length for `frames` input frames (a config with `frame_inputs`)."""
+  return stem_length(frames, width=cfg["stem_width"], strides=cfg["stem_strides"])
 
 
 def num_patches(cfg) -> int:
@@ -423,12 +474,16 @@ class Encoder(_Stack):
     self.inputs = cfg.get("inputs", "tokens")  # absent in configs saved before images
     if self.inputs not in INPUTS:
       raise UserError(f"Unknown model.inputs {self.inputs!r}: use one of {INPUTS}.")
+    self.stem = make_stem(cfg, rngs, dt) if self.inputs == "frames" else None
     if self.inputs == "tokens":
       self.embed = Embedding(cfg.vocab_size, cfg.dim, init_std=cfg.init_std, rngs=rngs, **dt)
       self.patch_embed = self.class_token = None
     else:
       self.embed = None
-      self._make_patches(cfg, rngs, dt)
+      if self.inputs == "patches":
+        self._make_patches(cfg, rngs, dt)
+      else:
+        self.patch_embed = self.class_token = None
     self.token_type = (
       Embedding(cfg.type_vocab_size, cfg.dim, init_std=cfg.init_std, rngs=rngs, **dt)
       if cfg.get("type_vocab_size", 0)
@@ -491,7 +546,8 @@ class Encoder(_Stack):
     positions_BT=None,
     segment_ids_BT=None,
   ):
-    """Final hidden states [B, T, D] of tokens [B, T] or images [B, H, W, C].
+    """Final hidden states [B, T, D] of tokens [B, T], images [B, H, W, C] or frames
+    [B, T_frames, C] (segment ids, if given, are the frames').
 
     `attention_mask` [B, T] (1 = token, 0 = padding), as Hugging Face's: no token attends to
     padding. It is folded into the segment ids, so padding positions attend only to each
@@ -499,7 +555,18 @@ class Encoder(_Stack):
     the row, padding included, as HF's absolute position ids; `segment_ids_BT` (packed rows)
     restarts them per segment.
     """
-    if self.inputs == "patches":
+    if self.inputs == "frames":
+      if attention_mask is not None or token_type_ids is not None:
+        raise UserError("A frame encoder takes no attention_mask or token_type_ids.")
+      x_BTD = self.stem(inputs)
+      B, T, _ = x_BTD.shape
+      positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+      segment_ids_BT = (
+        jnp.ones((B, T), jnp.int32)
+        if segment_ids_BT is None
+        else stem_segment_ids(self.stem, segment_ids_BT)
+      )
+    elif self.inputs == "patches":
       if attention_mask is not None or token_type_ids is not None:
         raise UserError("An image encoder takes no attention_mask or token_type_ids.")
       x_BTD = self._embed_images(inputs)
@@ -624,7 +691,9 @@ class EncoderDecoder(nnx.Module):
   `decoder_position` (T5: relative, not bidirectional), `shared_embeddings`, `tie_embeddings`,
   `output_scale` ("none", or "rsqrt_dim": the decoder's output times D ** -0.5 before the head,
   transformers' T5 `scale_decoder_outputs`), `decoder_start_id` (the decoder's first input:
-  targets are shifted right after it), and `final_softcap` if given. `attention` is the
+  targets are shifted right after it), `final_softcap` if given, and `frame_inputs`' keys for
+  an encoder of feature frames (Whisper: a conv stem, no token table on that side; the
+  model's `embed` is then the decoder's). `attention` is the
   encoder's self-attention (its mask as configured); the decoder's is causal, and its
   cross-attention sees the whole source.
   """
@@ -636,6 +705,12 @@ class EncoderDecoder(nnx.Module):
         f"Unknown model.output_scale {cfg.output_scale!r}: use one of {OUTPUT_SCALES}."
       )
     encoder_cfg, decoder_cfg = encoder_decoder_sides(cfg)
+    self.inputs = cfg.get("inputs", "tokens")
+    if self.inputs not in ("tokens", "frames"):
+      raise UserError(f"Unknown model.inputs {self.inputs!r}: use 'tokens' or 'frames'.")
+    if self.inputs == "frames" and not cfg.shared_embeddings:
+      raise UserError("An encoder of frames has no token table: set shared_embeddings=True.")
+    self.stem = make_stem(cfg, rngs, dt) if self.inputs == "frames" else None
     self.embed = Embedding(cfg.vocab_size, cfg.dim, init_std=cfg.init_std, rngs=rngs, **dt)
     self.decoder_embed = (
       None
@@ -676,15 +751,29 @@ class EncoderDecoder(nnx.Module):
   def _decoder_table(self) -> Embedding:
     return self.embed if self.decoder_embed is None else self.decoder_embed
 
-  def encode(self, tokens_BS, *, segment_ids_BS=None) -> jax.Array:
-    """The source [B, S, D]: the encoder's final hidden states. Segment ids (0 = padding) keep
-    packed rows' sources apart and padding unseen."""
-    positions_BS = position.default_positions(tokens_BS, segment_ids_BS)
+  def source_segment_ids(self, inputs, segment_ids_BS=None) -> jax.Array:
+    """The segment ids of the source the encoder makes of `inputs` (tokens [B, S] or frames
+    [B, T, C], whose ids the stem downsamples); all 1 if not given."""
     if segment_ids_BS is None:
-      segment_ids_BS = jnp.ones(tokens_BS.shape, jnp.int32)
-    x_BSD, _ = self.encoder(
-      self._embed(self.embed, tokens_BS), positions_BT=positions_BS, segment_ids_BT=segment_ids_BS
-    )
+      B, S = inputs.shape[:2]
+      if self.stem is not None:
+        S = stem_length(S, width=self.stem.width, strides=self.stem.strides)
+      return jnp.ones((B, S), jnp.int32)
+    return segment_ids_BS if self.stem is None else stem_segment_ids(self.stem, segment_ids_BS)
+
+  def encode(self, inputs, *, segment_ids_BS=None) -> jax.Array:
+    """The source [B, S, D]: the encoder's final hidden states, of tokens [B, S] or (with
+    `frame_inputs`) frames [B, T, C]. Segment ids (0 = padding) keep packed rows' sources apart
+    and padding unseen."""
+    if self.stem is None:
+      positions_BS = position.default_positions(inputs, segment_ids_BS)
+      x_BSD = self._embed(self.embed, inputs)
+    else:  # frames: positions from 0 over the whole window, as Whisper's
+      x_BSD = self.stem(inputs.astype(self.stem.convs[0].kernel[...].dtype))
+      B, S, _ = x_BSD.shape
+      positions_BS = jnp.broadcast_to(jnp.arange(S), (B, S))
+    segment_ids_BS = self.source_segment_ids(inputs, segment_ids_BS)
+    x_BSD, _ = self.encoder(x_BSD, positions_BT=positions_BS, segment_ids_BT=segment_ids_BS)
     return x_BSD
 
   def hidden(
@@ -693,8 +782,7 @@ class EncoderDecoder(nnx.Module):
     """The decoder's final (normed) hidden states [B, T, D], before output_scale and the head.
     Decoder segment s attends to source segment s."""
     source_BSD = self.encode(tokens_BS, segment_ids_BS=segment_ids_BS)
-    if segment_ids_BS is None:
-      segment_ids_BS = jnp.ones(tokens_BS.shape, jnp.int32)
+    segment_ids_BS = self.source_segment_ids(tokens_BS, segment_ids_BS)
     positions_BT = position.default_positions(decoder_tokens_BT, decoder_segment_ids_BT)
     x_BTD, _ = self.decoder(
       self._embed(self._decoder_table(), decoder_tokens_BT),

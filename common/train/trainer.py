@@ -18,7 +18,7 @@ from flax import nnx
 
 from nnx_zoo.common import config as config_lib
 from nnx_zoo.common import mesh, models, parallel
-from nnx_zoo.common.data import images, pipeline, spans, tokenizers
+from nnx_zoo.common.data import images, pipeline, spans, speech, tokenizers
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
 from nnx_zoo.common.nn import memory
@@ -103,7 +103,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
       ):
         ev = evaluate(state.params, data, graphdef=graphdef, cfg=cfg, layout=layout)
         log.write(step, ev, split="eval")
-        bar.write(f"step {step}: eval loss {ev['loss']:.4f}")
+        extra = "".join(f", {k} {ev[k]:.4f}" for k in ("wer",) if k in ev)
+        bar.write(f"step {step}: eval loss {ev['loss']:.4f}{extra}")
         last = {**last, "eval_loss": ev["loss"]}
         t0 = time.perf_counter()  # evaluation time is not training throughput
       # Read once per step; with several processes, every one of them stops at the same step.
@@ -135,13 +136,35 @@ class Data:
   eval_batches: Callable[..., Iterator]  # (split, *, batch_size, max_batches) -> batches
   tokens_per_row: int  # a batch row's tokens for tokens_per_s (an image counts as one)
   prompts: np.ndarray | None = None  # CLIP: the class prompts' tokens, for zero-shot accuracy
+  # A held-out metric computed from the params beyond the loss, (graphdef, params) -> dict
+  # (speech: the word error rate of greedy transcripts).
+  score: Callable[..., dict] | None = None
 
 
 def load_data(cfg, *, train: bool = True) -> Data:
   """The data of `cfg.data.kind`: the one place that picks a pipeline by data kind (text rows,
   common/data/pipeline.py; images, common/data/images.py; span-corrupted source and target
-  rows, common/data/spans.py). `train=False`: the held-out split only (`zoo eval`)."""
+  rows, common/data/spans.py; spoken audio and its words, common/data/speech.py).
+  `train=False`: the held-out split only (`zoo eval`)."""
   batch_size = cfg.train.batch_size
+  if cfg.data.kind in speech.KINDS:
+    if cfg.model.vocab_size < speech.VOCAB_SIZE:
+      raise UserError(
+        f"The spoken words use {speech.VOCAB_SIZE} ids but model.vocab_size is "
+        f"{cfg.model.vocab_size}: set --config.model.vocab_size={speech.VOCAB_SIZE} or more."
+      )
+    held_out = speech.load_split(cfg.data, "eval")
+    iterator = None
+    if train:
+      iterator = speech.train_iterator(
+        speech.load_split(cfg.data, "train"), cfg.data, batch_size=batch_size, seed=cfg.seed
+      )
+
+    def score(graphdef, params):
+      return speech.word_error_rate((graphdef, params), held_out, cfg.data)
+
+    rows = speech.target_len(cfg.data)
+    return Data(iterator, held_out, speech.eval_batches, rows, score=score)
   if cfg.data.kind in images.KINDS:
     held_out = images.load_split(cfg.data, "eval")
     length = cfg.data.caption_len  # > 0: image-caption pairs (CLIP)
@@ -233,6 +256,8 @@ def evaluate(params, data: Data, *, graphdef, cfg, layout: parallel.Layout | Non
       sums[k] = sums.get(k, 0.0) + float(v)
   count = max(sums["count"], 1.0)
   loss = sums["total"] / count
+  if data.score is not None:
+    return {"loss": loss, "targets": int(count), **data.score(graphdef, params)}
   if "correct" in sums:  # a classifier
     return {"loss": loss, "accuracy": sums["correct"] / count, "examples": int(sums["count"])}
   return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), "targets": int(count)}

@@ -267,6 +267,23 @@ def test_layer_matches_reference(kw):
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
+def test_key_bias_false_drops_a_bias_softmax_ignores():
+  """key_bias=False (Whisper): k has no bias, and a layer with one (any value) computes the same,
+  since q.b shifts all of a query's logits alike."""
+  with_bias = layer(qkv_bias=True, out_bias=True)
+  without = layer(qkv_bias=True, key_bias=False, out_bias=True)
+  assert without.k.bias is None and with_bias.k.bias is not None
+  for name in ("q", "k", "v", "o"):
+    getattr(without, name).kernel[...] = getattr(with_bias, name).kernel[...]
+    if name != "k":
+      getattr(without, name).bias[...] = getattr(with_bias, name).bias[...]
+  x = randn(3, (2, 7, 32))
+  none = position.Position()  # RoPE would rotate the bias, and then it would count
+  np.testing.assert_allclose(
+    run(without, x, pos=none)[0], run(with_bias, x, pos=none)[0], atol=1e-4, rtol=1e-4
+  )
+
+
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
 def test_layer_with_alibi_matches_reference(num_kv_heads):
   attn = layer(num_kv_heads=num_kv_heads)

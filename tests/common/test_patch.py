@@ -90,3 +90,82 @@ def test_refuses_images_the_patch_does_not_divide():
     model(jnp.zeros((1, 10, 8, 1)))
   with pytest.raises(UserError, match="channels last"):
     model(jnp.zeros((1, 1, 8, 8)))  # channels first
+
+
+# The 1-D convolutional stem (an audio front-end: Whisper's two Conv1d + GELU).
+
+
+def stem_with(ws, bs, *, C, strides, width=3, activation="gelu_exact"):
+  stem = patch_lib.ConvStem(
+    ws[0].shape[0], channels=C, width=width, strides=strides, activation=activation,
+    rngs=nnx.Rngs(0),
+  )  # fmt: skip
+  for conv, w, b in zip(stem.convs, ws, bs, strict=True):
+    conv.kernel[...] = patch_lib.kernel_from_conv(w)
+    conv.bias[...] = b
+  return stem
+
+
+def stem_reference(x_BTC, ws, bs, *, strides, act):
+  """Each layer a lax convolution (NWC input, torch's OIW weight, padded by width // 2)."""
+  for w, b, s in zip(ws, bs, strides, strict=True):
+    pad = w.shape[-1] // 2
+    x_BTC = act(
+      jax.lax.conv_general_dilated(
+        x_BTC, w, window_strides=(s,), padding=[(pad, pad)],
+        dimension_numbers=("NWC", "OIW", "NWC"), precision=jax.lax.Precision.HIGHEST,
+      ) + b
+    )  # fmt: skip
+  return x_BTC
+
+
+@pytest.mark.parametrize(("T", "width", "strides"), [(20, 3, (1, 2)), (15, 5, (2, 1, 3))])
+def test_stem_equals_lax_conv_values_and_gradients(T, width, strides):
+  D, C, B = 6, 4, 2
+  k = jax.random.split(jax.random.key(1), 2 * len(strides) + 2)
+  x = jax.random.normal(k[0], (B, T, C))
+  ws = [jax.random.normal(k[1 + i], (D, C if i == 0 else D, width)) for i in range(len(strides))]
+  bs = [jax.random.normal(k[-1], (D,)) * (i + 1) for i in range(len(strides))]
+  act = lambda y: jax.nn.gelu(y, approximate=False)  # noqa: E731
+  out = patch_lib.stem_length(T, width=width, strides=strides)
+  cot = jax.random.normal(k[-2], (B, out, D))
+
+  def ours(x, ws, bs):
+    y = stem_with(ws, bs, C=C, strides=strides, width=width)(x)
+    return jnp.sum(y * cot), y
+
+  def ref(x, ws, bs):
+    y = stem_reference(x, ws, bs, strides=strides, act=act)
+    return jnp.sum(y * cot), y
+
+  (_, y), g = jax.jit(jax.value_and_grad(ours, (0, 1, 2), has_aux=True))(x, ws, bs)
+  (_, y_ref), g_ref = jax.jit(jax.value_and_grad(ref, (0, 1, 2), has_aux=True))(x, ws, bs)
+  assert y.shape == (B, out, D)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for got, want in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_stem_equals_torch_conv1d_from_hf_weights():
+  """Whisper's encoder front-end: gelu(conv2(gelu(conv1(x)))), conv2 of stride 2, features
+  [B, mels, T] in HF's layout."""
+  torch = pytest.importorskip("torch")
+  D, C, T, B = 8, 5, 21, 2
+  conv1 = torch.nn.Conv1d(C, D, kernel_size=3, padding=1)
+  conv2 = torch.nn.Conv1d(D, D, kernel_size=3, stride=2, padding=1)
+  x = np.random.default_rng(0).standard_normal((B, T, C)).astype(np.float32)
+  gelu = torch.nn.functional.gelu
+  with torch.no_grad():
+    want = gelu(conv2(gelu(conv1(torch.tensor(x).permute(0, 2, 1))))).permute(0, 2, 1).numpy()
+  ws = [jnp.asarray(c.weight.detach().numpy()) for c in (conv1, conv2)]
+  bs = [jnp.asarray(c.bias.detach().numpy()) for c in (conv1, conv2)]
+  stem = stem_with(ws, bs, C=C, strides=(1, 2))
+  np.testing.assert_allclose(stem(jnp.asarray(x)), want, rtol=1e-5, atol=1e-5)
+  back = patch_lib.conv1d_from_kernel(stem.convs[1].kernel[...], width=3)
+  np.testing.assert_array_equal(np.asarray(back), conv2.weight.detach().numpy())
+
+
+def test_stem_wrong_features_is_a_clear_error():
+  stem = patch_lib.ConvStem(4, channels=3, rngs=nnx.Rngs(0))
+  with pytest.raises(UserError, match=r"frames \[B, T, 3\]"):
+    stem(jnp.zeros((1, 10, 2)))

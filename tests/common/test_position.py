@@ -279,8 +279,10 @@ def test_make_builds_each_kind():
   assert type(position.make(position.config("alibi"), **kw)) is position.ALiBi
   assert type(position.make(position.config("none"), **kw)) is position.Position
   assert type(position.make(position.config("learned", max_len=8), **kw)) is position.Learned
+  sinusoidal = position.make(position.config("sinusoidal", max_len=8), **kw)
+  assert type(sinusoidal) is position.Sinusoidal
   with pytest.raises(UserError):
-    position.config("sinusoidal")
+    position.config("fourier")
 
 
 def np_positions_from_segments(seg_BT):
@@ -308,3 +310,18 @@ def test_default_positions():
   np.testing.assert_array_equal(
     position.default_positions(tokens, seg), [[0, 1, 0, 1], [0, 1, 2, 3]]
   )
+
+
+def test_sinusoidal_matches_whisper_sinusoids():
+  """transformers' Whisper encoder table (its `sinusoids`), added to the embeddings."""
+  pytest.importorskip("torch")
+  whisper = pytest.importorskip("transformers.models.whisper.modeling_whisper")
+  want = whisper.sinusoids(50, 16).numpy()
+  pos = position.make(position.config("sinusoidal", max_len=50), head_dim=4, dim=16, rngs=None)
+  np.testing.assert_allclose(np.asarray(pos.table()), want, rtol=1e-5, atol=1e-5)
+  x = np.ones((2, 7, 16), np.float32)
+  positions = np.stack([np.arange(7), np.arange(10, 17)])
+  got = pos.embed(x, positions)
+  np.testing.assert_allclose(np.asarray(got), 1 + want[positions], rtol=1e-5, atol=1e-5)
+  with pytest.raises(UserError, match="longer than"):
+    pos.embed(np.ones((1, 51, 16), np.float32), np.arange(51)[None])

@@ -1,0 +1,130 @@
+"""Audio for speech models: WAV files in, Whisper's log-mel features out.
+
+Whisper's features (transformers' `WhisperFeatureExtractor`, OpenAI's `log_mel_spectrogram`):
+16 kHz mono audio padded with zeros (or cut) to the window (30 s), a centred STFT (reflect
+padding) with a periodic Hann window of 400 samples (25 ms) every 160 (10 ms), the power
+spectrum through 80 or 128 Slaney-style mel filters (0-8 kHz), log10 (floored at 1e-10), clamped
+to 8 below the maximum, then (x + 4) / 4; the last frame dropped: 100 frames a second, 3000 for
+30 s, returned [T, mels] (features last, as the zoo's encoders read them).
+
+The window and resampling come from scipy (`scipy.signal`), the STFT is numpy's rfft over
+strided frames. The mel filter bank is written out here (`mel_filters`, ~20 lines) instead of
+taken from librosa, whose filters OpenAI's Whisper ships: librosa would bring numba and llvmlite
+for one function, and transformers itself computes the same bank with numpy
+(`audio_utils.mel_filter_bank`). Both are tested equal to transformers
+(tests/common/test_audio.py).
+"""
+
+import numpy as np
+
+from nnx_zoo.common.errors import UserError
+
+SAMPLE_RATE = 16_000
+N_FFT = 400  # 25 ms window
+HOP = 160  # 10 ms: 100 frames a second
+SECONDS = 30  # Whisper's window
+
+
+def hz_to_mel(hz):
+  """Slaney's mel scale: linear below 1 kHz, logarithmic above (librosa's htk=False)."""
+  hz = np.asarray(hz, np.float64)
+  f_sp, min_log_hz, logstep = 200.0 / 3, 1000.0, np.log(6.4) / 27.0
+  mel = hz / f_sp
+  log_region = hz >= min_log_hz
+  return np.where(
+    log_region, min_log_hz / f_sp + np.log(np.maximum(hz, 1e-10) / min_log_hz) / logstep, mel
+  )
+
+
+def mel_to_hz(mel):
+  mel = np.asarray(mel, np.float64)
+  f_sp, min_log_hz, logstep = 200.0 / 3, 1000.0, np.log(6.4) / 27.0
+  min_log_mel = min_log_hz / f_sp
+  return np.where(
+    mel >= min_log_mel, min_log_hz * np.exp(logstep * (mel - min_log_mel)), f_sp * mel
+  )
+
+
+def mel_filters(num_mels: int, *, n_fft: int = N_FFT, sample_rate: int = SAMPLE_RATE):
+  """[n_fft // 2 + 1, num_mels]: triangular filters evenly spaced on the Slaney mel scale from 0
+  to sample_rate / 2, each scaled to unit area (norm="slaney")."""
+  fft_hz = np.linspace(0, sample_rate / 2, n_fft // 2 + 1)
+  edges_hz = mel_to_hz(np.linspace(hz_to_mel(0.0), hz_to_mel(sample_rate / 2), num_mels + 2))
+  lower, centre, upper = edges_hz[:-2], edges_hz[1:-1], edges_hz[2:]
+  rising = (fft_hz[:, None] - lower) / (centre - lower)
+  falling = (upper - fft_hz[:, None]) / (upper - centre)
+  filters = np.maximum(0.0, np.minimum(rising, falling))
+  return filters * (2.0 / (upper - lower))
+
+
+def log_mel(
+  audio: np.ndarray, *, num_mels: int = 80, seconds: float = SECONDS, sample_rate=SAMPLE_RATE
+) -> np.ndarray:
+  """Whisper's log-mel features [T, num_mels] float32 of mono audio [samples] at 16 kHz,
+  padded with zeros or cut to `seconds` (T = 100 * seconds)."""
+  if sample_rate != SAMPLE_RATE:
+    raise UserError(f"Log-mel features take {SAMPLE_RATE} Hz audio, not {sample_rate} Hz.")
+  from scipy.signal import get_window
+
+  audio = np.asarray(audio, np.float64)
+  if audio.ndim != 1:
+    raise UserError(f"Expected mono audio [samples], got shape {audio.shape}.")
+  n = int(round(seconds * SAMPLE_RATE))
+  length = min(len(audio), n)
+  audio = np.pad(audio[:n], (0, max(0, n - len(audio))))
+  padded = np.pad(audio, N_FFT // 2, mode="reflect")  # a centred STFT
+  num_frames = n // HOP  # the last frame dropped, as Whisper does
+  # Frames past the audio see only the zero padding (power 0): their log is the floor, so only
+  # the frames that touch the audio are transformed (short audio in a 30 s window: most of it).
+  busy = min(num_frames, -(-(length + N_FFT // 2) // HOP) + 1)
+  if busy > num_frames - 2:  # near the end the reflect padding reaches back into the audio
+    busy = num_frames
+  frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP][:busy]
+  window = get_window("hann", N_FFT)  # periodic (fftbins=True), as torch's hann_window
+  power = np.abs(np.fft.rfft(frames * window, axis=-1)) ** 2
+  log_spec = np.full((num_frames, num_mels), -10.0)  # log10 of the 1e-10 floor
+  log_spec[:busy] = np.log10(np.maximum(power @ mel_filters(num_mels), 1e-10))
+  log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
+  return ((log_spec + 4.0) / 4.0).astype(np.float32)
+
+
+def read_wav(path: str, *, sample_rate: int = SAMPLE_RATE, max_seconds: float | None = None):
+  """Mono float32 samples in [-1, 1] of a WAV file at `sample_rate`: other rates are resampled
+  (polyphase, scipy's resample_poly), several channels averaged. A file longer than
+  `max_seconds` is refused."""
+  import math
+
+  from scipy.io import wavfile
+  from scipy.signal import resample_poly
+
+  try:
+    rate, data = wavfile.read(path)
+  except (OSError, ValueError) as e:
+    raise UserError(f"Cannot read {path} as a WAV file ({e}).") from None
+  if np.issubdtype(data.dtype, np.integer):
+    info = np.iinfo(data.dtype)
+    # 8-bit WAV is unsigned (centred on 128); wider ones are signed.
+    data = (
+      (data.astype(np.float64) - (info.max + 1) / 2 * (info.min == 0))
+      / (info.max + 1)
+      * (2 if info.min == 0 else 1)
+    )
+  data = data.astype(np.float64)
+  if data.ndim == 2:
+    data = data.mean(axis=1)
+  if rate != sample_rate:
+    g = math.gcd(rate, sample_rate)
+    data = resample_poly(data, sample_rate // g, rate // g)
+  if max_seconds is not None and len(data) > max_seconds * sample_rate + 1:
+    raise UserError(
+      f"{path} is {len(data) / sample_rate:.1f} s long; the model hears at most {max_seconds:g} s."
+    )
+  return data.astype(np.float32)
+
+
+def write_wav(path: str, audio: np.ndarray, *, sample_rate: int = SAMPLE_RATE):
+  """16-bit PCM mono WAV."""
+  from scipy.io import wavfile
+
+  pcm = np.clip(np.round(np.asarray(audio) * 32768), -32768, 32767).astype(np.int16)
+  wavfile.write(path, sample_rate, pcm)

@@ -1,0 +1,312 @@
+"""Spoken digit strings synthesised with espeak-ng: ("seven two nine", its audio) pairs, as
+log-mel frames and word tokens for a speech recogniser (an encoder-decoder of `frame_inputs`).
+
+The synthesiser is Debian's `espeak-ng` program (1.51; `apt-get install espeak-ng`), run once
+per utterance: its voices are an accent (en-us, en-gb, Scottish, RP, ...) and a variant (about
+100 of them: male, female, whispered, croaky, klatt, robots...), each at a speed and pitch.
+(The PyPI wheel `espeakng-loader` ships the library and its voices but no program, so synthesis
+would mean driving libespeak-ng's callback API through ctypes; the Debian package is one
+`apt-get` and a subprocess.)
+
+Deterministic: utterance i of a split is drawn from (data.seed, split, i) alone, and espeak-ng
+synthesises the same samples for the same arguments. The held-out split is voices training
+never hears: every `heldout_every`-th variant (in every accent) is only ever used there.
+Generated audio is cached as int16 under ~/.cache/nnx-zoo/spoken-digits (`data.cache`), keyed
+by everything that makes it.
+"""
+
+import concurrent.futures
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+
+import grain
+import jax
+import ml_collections
+import numpy as np
+
+from nnx_zoo.common.data import audio, pipeline
+from nnx_zoo.common.errors import UserError
+
+KINDS = ("spoken_digits",)
+WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+PAD, START, END = 0, 1, 2  # token ids; digit d is 3 + d
+VOCAB_SIZE = 3 + len(WORDS)
+ACCENTS = ("en-us", "en-gb", "en-gb-scotland", "en-gb-x-rp", "en-gb-x-gbclan", "en-029")
+# espeak-ng 1.51's voice variants (`espeak-ng --voices=variant`, their file names), fixed here so
+# the split does not depend on what a host has installed.
+# fmt: off
+VARIANTS = (
+  "Alex", "Alicia", "Andrea", "Andy", "Annie", "AnxiousAndy", "Demonic", "Denis", "Diogo", "Gene",
+  "Gene2", "Henrique", "Hugo", "Jacky", "Lee", "Marco", "Mario", "Michael", "Mike", "Mr",
+  "Nguyen", "RicishayMax", "RicishayMax2", "RicishayMax3", "Storm", "Tweaky", "UniRobot", "adam",
+  "anika", "anikaRobot", "announcer", "antonio", "aunty", "belinda", "benjamin", "boris",
+  "caleb", "croak", "david", "ed", "edward", "edward2", "f1", "f2", "f3", "f4", "f5", "fast",
+  "grandma", "grandpa", "gustave", "iven", "iven2", "iven3", "iven4", "john", "kaukovalta",
+  "klatt", "klatt2", "klatt3", "klatt4", "klatt5", "klatt6", "linda", "m1", "m2", "m3", "m4",
+  "m5", "m6", "m7", "m8", "marcelo", "max", "michel", "miguel", "norbert", "pablo", "paul",
+  "pedro", "quincy", "rob", "robert", "robosoft", "robosoft2", "robosoft3", "robosoft4",
+  "robosoft5", "robosoft6", "robosoft7", "robosoft8", "sandro", "shelby", "steph", "steph2",
+  "steph3", "travis", "victor", "whisper", "whisperf", "zac",
+)
+# fmt: on
+
+
+def config(**kw) -> ml_collections.ConfigDict:
+  """The spoken-digits data: `num_train` / `num_eval` utterances of min_digits..max_digits
+  digits, each by a voice (accent + variant) at a speed (words a minute) and pitch (0-99) drawn
+  uniformly from the ranges; `heldout_every`: every n-th variant is held out (the eval split's
+  voices); `seconds`: the audio window (cut beyond), `mels`: log-mel bins; augmentation of
+  training audio: a random start of up to `max_delay` s and noise at `snr_db` (low, high)
+  decibels; `cache`: the directory of generated audio ("" = ~/.cache/nnx-zoo/spoken-digits)."""
+  c = dict(
+    kind="spoken_digits",
+    seed=0,
+    num_train=4000,
+    num_eval=400,
+    min_digits=1,
+    max_digits=4,
+    speed=(130, 230),
+    pitch=(20, 80),
+    heldout_every=5,
+    seconds=3.0,
+    mels=80,
+    max_delay=0.3,
+    snr_db=(15.0, 40.0),
+    cache="",
+  )
+  unknown = set(kw) - set(c)
+  if unknown:
+    raise UserError(f"The spoken_digits data has no keys {sorted(unknown)}.")
+  c.update(kw)
+  return ml_collections.ConfigDict(c)
+
+
+def voices(cfg, split: str) -> list[str]:
+  held = {v for i, v in enumerate(VARIANTS) if i % cfg.heldout_every == cfg.heldout_every - 1}
+  variants = [v for v in VARIANTS if (v in held) == (split == "eval")]
+  return [f"{a}+{v}" for a in ACCENTS for v in variants]
+
+
+def utterances(cfg, split: str, count: int | None = None) -> list[dict]:
+  """The split's utterances: text, digit ids, voice, speed and pitch of each."""
+  count = cfg.num_train if count is None and split == "train" else count or cfg.num_eval
+  pool = voices(cfg, split)
+  out = []
+  for i in range(count):
+    rng = np.random.default_rng([cfg.seed, 0 if split == "train" else 1, i])
+    digits = rng.integers(0, 10, rng.integers(cfg.min_digits, cfg.max_digits + 1)).tolist()
+    out.append(
+      dict(
+        text=" ".join(WORDS[d] for d in digits),
+        digits=digits,
+        voice=pool[rng.integers(len(pool))],
+        speed=int(rng.integers(cfg.speed[0], cfg.speed[1] + 1)),
+        pitch=int(rng.integers(cfg.pitch[0], cfg.pitch[1] + 1)),
+      )
+    )
+  return out
+
+
+def espeak() -> str:
+  path = shutil.which("espeak-ng")
+  if path is None:
+    raise UserError(
+      "The spoken-digits data is synthesised with espeak-ng, which is not installed: "
+      "`apt-get install espeak-ng` (Debian, Ubuntu) or your system's package."
+    )
+  return path
+
+
+def synthesize(u: dict) -> np.ndarray:
+  """One utterance's audio, 16 kHz mono float32."""
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "u.wav")
+    cmd = [espeak(), "-v", u["voice"], "-s", str(u["speed"]), "-p", str(u["pitch"]), "-w", path]
+    subprocess.run([*cmd, u["text"]], check=True, capture_output=True)
+    return audio.read_wav(path)
+
+
+def _cache_path(cfg, split: str, items: list[dict]) -> str:
+  root = cfg.cache or os.path.join(os.path.expanduser("~"), ".cache", "nnx-zoo", "spoken-digits")
+  version = subprocess.run([espeak(), "--version"], capture_output=True, text=True).stdout
+  key = hashlib.sha1(json.dumps([version.strip(), items]).encode()).hexdigest()[:16]
+  return os.path.join(root, f"{split}-{len(items)}-{key}.npz")
+
+
+def load_audio(cfg, split: str, count: int | None = None) -> tuple[list[dict], list[np.ndarray]]:
+  """The split's utterances and their audio, synthesised once and then read from the cache."""
+  items = utterances(cfg, split, count)
+  path = _cache_path(cfg, split, items)
+  if os.path.isfile(path):
+    with np.load(path) as f:
+      samples, ends = f["samples"], f["ends"]
+  else:
+    workers = min(4, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # subprocesses: no GIL held
+      clips = list(pool.map(synthesize, items))
+    ends = np.cumsum([len(c) for c in clips])
+    samples = np.clip(np.round(np.concatenate(clips) * 32767), -32768, 32767).astype(np.int16)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + f".{os.getpid()}.tmp.npz"
+    np.savez(tmp, samples=samples, ends=ends)
+    os.replace(tmp, path)  # atomic: a half-written cache is never read
+  starts = np.concatenate([[0], ends[:-1]])
+  clips = [samples[a:b].astype(np.float32) / 32767 for a, b in zip(starts, ends, strict=True)]
+  return items, clips
+
+
+def targets(digits: list[int], length: int) -> tuple[np.ndarray, np.ndarray]:
+  """The decoder's targets (digit ids then END, padded) and their segment ids."""
+  ids = [3 + d for d in digits] + [END]
+  row = np.zeros(length, np.int32)
+  row[: len(ids)] = ids
+  return row, (row != PAD).astype(np.int32)
+
+
+def decode(ids) -> str:
+  """Token ids -> text: the words up to the first END (other ids skipped)."""
+  words = []
+  for i in np.asarray(ids).tolist():
+    if i == END:
+      break
+    if 3 <= i < VOCAB_SIZE:
+      words.append(WORDS[i - 3])
+  return " ".join(words)
+
+
+def word_errors(hypothesis: str, reference: str) -> int:
+  """Word-level Levenshtein distance (substitutions, insertions, deletions)."""
+  h, r = hypothesis.split(), reference.split()
+  prev = list(range(len(h) + 1))
+  for i, rw in enumerate(r, 1):
+    cur = [i] + [0] * len(h)
+    for j, hw in enumerate(h, 1):
+      cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (rw != hw))
+    prev = cur
+  return prev[-1]
+
+
+def target_len(cfg) -> int:
+  return cfg.max_digits + 1
+
+
+class Split:
+  """A split as arrays: features [N, T, mels] (eval) or clips (train), targets, texts."""
+
+  def __init__(self, cfg, split: str, count: int | None = None):
+    self.items, self.clips = load_audio(cfg, split, count)
+    self.texts = [u["text"] for u in self.items]
+    rows = [targets(u["digits"], target_len(cfg)) for u in self.items]
+    self.targets = np.stack([r[0] for r in rows])
+    self.target_segment_ids = np.stack([r[1] for r in rows])
+    self.features = None
+
+  def __len__(self):
+    return len(self.items)
+
+  def __getitem__(self, i):
+    return {"clip": i}
+
+  def __repr__(self):  # grain's iterator state names its source
+    return f"speech.Split({len(self)})"
+
+
+def features(cfg, clip: np.ndarray) -> np.ndarray:
+  return audio.log_mel(clip, num_mels=cfg.mels, seconds=cfg.seconds)
+
+
+def load_split(cfg, split: str) -> Split:
+  out = Split(cfg, split)
+  if split == "eval":
+    out.features = np.stack([features(cfg, c) for c in out.clips])
+  return out
+
+
+def train_iterator(source: Split, cfg, *, batch_size: int, seed: int) -> grain.DatasetIterator:
+  """Endless shuffled batches of augmented training audio (a random delay, noise at a random
+  SNR), drawn per position in the stream, so a restored iterator draws the same."""
+  if len(source) < batch_size:
+    raise UserError(f"{len(source)} utterances are fewer than train.batch_size={batch_size}.")
+  share = pipeline.process_slice(batch_size)
+  frames = int(round(cfg.seconds * 100))
+
+  def draw(example, rng: np.random.Generator):
+    i = example["clip"]
+    clip = source.clips[i]
+    delay = int(rng.uniform(0, cfg.max_delay) * audio.SAMPLE_RATE)
+    clip = np.concatenate([np.zeros(delay, np.float32), clip])
+    snr = rng.uniform(*cfg.snr_db)
+    power = np.mean(np.square(source.clips[i])) + 1e-12
+    clip = clip + rng.standard_normal(len(clip)).astype(np.float32) * np.sqrt(
+      power / 10 ** (snr / 10)
+    )
+    return {
+      "inputs": features(cfg, clip),
+      "input_segment_ids": np.ones(frames, np.int32),
+      "targets": source.targets[i],
+      "target_segment_ids": source.target_segment_ids[i],
+    }
+
+  draw_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
+  ds = (
+    grain.MapDataset.source(source)
+    .shuffle(seed=seed)
+    .repeat()
+    .random_map(draw, seed=draw_seed)
+    .batch(batch_size, drop_remainder=True)
+    .map(lambda batch: {k: v[share] for k, v in batch.items()})
+  )
+  return iter(ds)
+
+
+def eval_batches(source: Split, *, batch_size: int, max_batches: int = 0):
+  """The held-out utterances in order (no augmentation); the last batch padded with rows whose
+  targets are all padding (weight 0)."""
+  starts = range(0, len(source), batch_size)
+  if max_batches:
+    starts = list(starts)[:max_batches]
+  share = pipeline.process_slice(batch_size)
+  for start in starts:
+    sl = slice(start, start + batch_size)
+    batch = {
+      "inputs": source.features[sl],
+      "input_segment_ids": np.ones(source.features[sl].shape[:2], np.int32),
+      "targets": source.targets[sl],
+      "target_segment_ids": source.target_segment_ids[sl],
+    }
+    short = batch_size - len(batch["targets"])
+    if short:
+      batch = {k: np.pad(v, [(0, short)] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
+      batch["input_segment_ids"][-short:] = 1  # padded rows' audio: silence, seen by nothing
+    yield {k: v[share] for k, v in batch.items()}
+
+
+def transcribe(model_or_split, features_BTC: np.ndarray, *, max_words: int) -> list[str]:
+  """Greedy transcripts of log-mel features [B, T, mels] (the cached decoding)."""
+  from nnx_zoo.common import sampling
+
+  ids = sampling.generate_seq2seq(
+    model_or_split,
+    features_BTC,
+    max_new_tokens=max_words + 1,
+    rng=jax.random.key(0),
+    temperature=0.0,
+  )
+  return [decode(row) for row in np.asarray(ids)]
+
+
+def word_error_rate(model_or_split, source: Split, cfg, *, batch_size: int = 64) -> dict:
+  """Greedy transcripts of the held-out split against their texts: WER = word edits / words."""
+  errors = words = 0
+  for start in range(0, len(source), batch_size):
+    got = transcribe(
+      model_or_split, source.features[start : start + batch_size], max_words=cfg.max_digits
+    )
+    for hyp, ref in zip(got, source.texts[start : start + batch_size], strict=True):
+      errors += word_errors(hyp, ref)
+      words += len(ref.split())
+  return {"wer": errors / max(words, 1), "words": words}

@@ -1,0 +1,67 @@
+"""A small Whisper learns to transcribe spoken digit strings from scratch, tested on unheard voices.
+
+Command:   zoo run speech/spoken-digits --workdir runs/digits, then
+           zoo generate --workdir runs/digits --audio FILE.wav
+Hardware:  a 2-core CPU (no accelerator needed); espeak-ng installed (`apt-get install espeak-ng`).
+Time:      36 min wall on the shared 2-core CPU at a load average of 8-12 (two other training
+           jobs): 4 min synthesising the audio (first run only, then cached), 17 CPU-min in all
+           (838 s user + 187 s sys); ~2.5 s a step. Over the 15 min aimed at.
+Expected:  held-out word error rate 0.210 at step 800 (0.782 at 200, 0.438 at 400, 0.238 at
+           600), greedy transcripts of the 400 held-out utterances (1,033 words) by voices training
+           never hears; held-out loss 0.71 nats/token against 0.15-0.21 in training: the gap is
+           the unheard voices. NOT the <= 5% aimed at; the WER was still falling at the end.
+Data:      4,000 training and 400 held-out utterances of 1-4 digits ("seven two nine"), made by
+           espeak-ng 1.51 in 6 English accents x 101 voice variants at 130-230 words a minute and
+           pitch 20-80; every 5th variant is held out (120 voices; training has 486), so the
+           held-out split is voices training never hears. Training audio gets a random start
+           (up to 0.3 s) and noise (15-40 dB SNR). The audio is generated once (3.5 min here,
+           under load) and cached under ~/.cache/nnx-zoo (151 MB).
+"""
+
+import ml_collections
+
+from nnx_zoo.common import mesh
+from nnx_zoo.common.data import speech
+from nnx_zoo.common.train import settings
+from nnx_zoo.zoo.whisper import model as whisper
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.init_from = ""
+  c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "stem.*")
+
+  # Data: 3 s windows of 16 kHz audio as Whisper's 80-bin log-mel frames (300 of them); the
+  # targets are word ids (zero..nine) and an end token.
+  c.data = speech.config(num_train=4000, num_eval=400, max_digits=4, seconds=3.0, mels=80)
+
+  # Model: Whisper's arrangement, 2 + 2 layers, D=128, 4 heads of 32; the encoder sees the 150
+  # frames the stride-2 stem leaves; a 16-word vocabulary (speech.VOCAB_SIZE = 13 used).
+  c.model = whisper.config(
+      "tiny", mels=80, audio_frames=300, max_target_len=8, vocab_size=16, dim=128,
+      num_layers=2, num_decoder_layers=2, num_heads=4, hidden_dim=512,
+      decoder_start_id=speech.START,
+  )
+
+  # Optimizer
+  c.optim = settings.optim(lr=2e-3, warmup_steps=100, weight_decay=0.05)
+
+  # Training: 32 utterances a step.
+  c.train = settings.train(steps=800, batch_size=32, log_every=20, eval_every=200,
+                           checkpoint_every=200, keep_checkpoints=1)
+  c.mesh = mesh.config()
+  # Mesh rules: the first pattern matching the hardware (`zoo show` says which) sets the mesh.
+  c.mesh_rules = [
+      ("cpux1", {}),
+      ("*x8", {"mesh.data": 8}),  # eight devices of any kind: data parallel
+  ]
+
+  if arg == "smoke":
+    c.mesh_rules = []  # one CPU: the mesh as written
+    c.data.update(num_train=8, num_eval=4, seconds=1.0)
+    c.model = whisper.config("tiny", mels=80, audio_frames=100, max_target_len=8, vocab_size=16,
+                             decoder_start_id=speech.START)
+    c.train.update(steps=4, batch_size=4, log_every=1, eval_every=4, eval_batches=1,
+                   checkpoint_every=2)
+  return c

@@ -1,0 +1,74 @@
+"""The spoken-digits data: deterministic utterances, held-out voices disjoint from training,
+espeak-ng synthesis that repeats itself and is cached, batches, and word error counting."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from nnx_zoo.common.data import speech
+
+needs_espeak = pytest.mark.skipif(
+  shutil.which("espeak-ng") is None, reason="espeak-ng is not installed"
+)
+
+
+def small(tmp_path, **kw):
+  return speech.config(
+    **{"num_train": 6, "num_eval": 3, "seconds": 2.0, "cache": str(tmp_path), **kw}
+  )
+
+
+def test_utterances_are_deterministic_and_voices_held_out(tmp_path):
+  cfg = small(tmp_path, num_train=300)
+  a, b = speech.utterances(cfg, "train"), speech.utterances(cfg, "train")
+  assert a == b
+  assert speech.utterances(speech.config(seed=1, num_train=300), "train") != a
+  train, held = set(speech.voices(cfg, "train")), set(speech.voices(cfg, "eval"))
+  assert not train & held and len(held) == len(speech.ACCENTS) * (len(speech.VARIANTS) // 5)
+  # No variant is heard in both, in any accent.
+  variant = lambda voice: voice.split("+")[1]  # noqa: E731
+  assert not {variant(v) for v in train} & {variant(v) for v in held}
+  assert {u["voice"] for u in speech.utterances(cfg, "eval", 200)} <= held
+  for u in a:
+    assert 1 <= len(u["digits"]) <= 4 and 130 <= u["speed"] <= 230 and 20 <= u["pitch"] <= 80
+    assert u["text"] == " ".join(speech.WORDS[d] for d in u["digits"])
+
+
+@needs_espeak
+def test_synthesis_repeats_itself_and_is_cached(tmp_path):
+  cfg = small(tmp_path)
+  items, clips = speech.load_audio(cfg, "eval")
+  cached = list(tmp_path.iterdir())
+  assert len(cached) == 1 and cached[0].name.startswith("eval-3-")
+  again = [speech.synthesize(u) for u in items]  # espeak-ng once more, no cache
+  for clip, fresh in zip(clips, again, strict=True):
+    assert 0.3 < len(clip) / 16_000 < 2.0 and np.abs(clip).max() > 0.05
+    np.testing.assert_allclose(clip, fresh, atol=1 / 32767)  # int16 in the cache
+  items2, clips2 = speech.load_audio(cfg, "eval")  # from the cache
+  assert items2 == items and all(np.array_equal(x, y) for x, y in zip(clips, clips2, strict=True))
+
+
+@needs_espeak
+def test_batches(tmp_path):
+  cfg = small(tmp_path)
+  train = speech.load_split(cfg, "train")
+  batch = next(speech.train_iterator(train, cfg, batch_size=4, seed=0))
+  assert batch["inputs"].shape == (4, 200, 80) and batch["inputs"].dtype == np.float32
+  assert batch["targets"].shape == (4, 5)
+  again = next(speech.train_iterator(train, cfg, batch_size=4, seed=0))
+  np.testing.assert_array_equal(batch["inputs"], again["inputs"])  # the same draws
+  held = speech.load_split(cfg, "eval")
+  (only,) = speech.eval_batches(held, batch_size=4)
+  assert only["inputs"].shape == (4, 200, 80) and only["target_segment_ids"][3].sum() == 0
+  for row, text in zip(only["targets"][:3], held.texts, strict=True):
+    assert speech.decode(row) == text
+
+
+def test_word_errors_and_decode():
+  assert speech.word_errors("one two three", "one two three") == 0
+  assert speech.word_errors("one too three", "one two three") == 1  # a substitution
+  assert speech.word_errors("one three", "one two three") == 1  # a deletion
+  assert speech.word_errors("one two two three", "one two three") == 1  # an insertion
+  assert speech.word_errors("", "one two") == 2
+  assert speech.decode([3 + 7, 3 + 2, speech.END, 3 + 9]) == "seven two"
