@@ -1,4 +1,5 @@
-"""Patch embedding (ViT, CLIP): images [B, H, W, C] -> one vector per patch [B, T, D].
+"""Patch embedding (ViT, CLIP, DiT): images [B, H, W, C] -> one vector per patch [B, T, D]; and
+back (`unpatchify`: a denoiser's per-patch outputs as an image).
 
 A convolution with stride = kernel = patch is a linear map of each flattened patch, so it runs as
 the shared `Linear` (one 2-D matmul, see DESIGN.md for why not 3-D, let alone a convolution).
@@ -76,3 +77,18 @@ class PatchEmbed(nnx.Module):
         f"{tuple(images_BHWC.shape)}."
       )
     return self.proj(patches(images_BHWC, self.patch))
+
+
+def unpatchify(x_BTK: jax.Array, *, patch: int, channels: int) -> jax.Array:
+  """[B, T, p * p * C] -> [B, H, W, C]: each token's vector read in (row, column, channel) order
+  of its patch (DiT's output layout, not the conv kernel's (channel, row, column) of `patches`),
+  the tokens row by row over a square grid."""
+  B, T, K = x_BTK.shape
+  side = int(round(T**0.5))
+  if side * side != T or patch * patch * channels != K:
+    raise UserError(
+      f"Cannot unpatchify [{B}, {T}, {K}] into a square image of {patch}x{patch} patches with "
+      f"{channels} channels."
+    )
+  x = x_BTK.reshape(B, side, side, patch, patch, channels)
+  return x.transpose(0, 1, 3, 2, 4, 5).reshape(B, side * patch, side * patch, channels)
