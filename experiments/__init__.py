@@ -21,5 +21,6 @@ REGISTRY = {
     "vision/clip-digits": "nnx_zoo.experiments.vision.clip_digits",
     "vision/vit-b16": "nnx_zoo.experiments.vision.vit_b16",
     "vision/clip-vit-b32": "nnx_zoo.experiments.vision.clip_vit_b32",
+    "diffusion/dit-digits": "nnx_zoo.experiments.diffusion.dit_digits",
 }
 DEFAULT = "lm/shakespeare-char"
