@@ -30,14 +30,17 @@ from flax import nnx
 
 
 def config(**kw) -> ml_collections.ConfigDict:
-  """The `diffusion` section of an experiment. steps: T of the schedule; beta_start, beta_end: its
-  linear betas (DDPM's); label_drop: the share of training labels replaced by the null class
-  (classifier-free guidance); sample_steps, guidance (1: none), eta: the sampler's defaults;
-  eval_per_class and eval_seed: the samples `zoo eval` draws and measures."""
+  """The `diffusion` section of an experiment. steps: T of the schedule; schedule: "linear"
+  (DDPM's betas from beta_start to beta_end, DiT's) or "cosine" (Nichol and Dhariwal's abar_t,
+  which keeps small images' signal over more of the steps); label_drop: the share of training
+  labels replaced by the null class (classifier-free guidance); sample_steps, guidance (1:
+  none), eta: the sampler's defaults; eval_per_class and eval_seed: the samples `zoo eval`
+  draws and measures."""
   cfg = {
     "steps": 1000,
     "beta_start": 1e-4,
     "beta_end": 0.02,
+    "schedule": "linear",
     "label_drop": 0.1,
     "sample_steps": 50,
     "guidance": 1.0,
@@ -56,14 +59,28 @@ def config(**kw) -> ml_collections.ConfigDict:
 # The schedule and the forward process
 
 
+SCHEDULES = ("linear", "cosine")
+
+
 def alpha_bars(cfg) -> np.ndarray:
   """abar_t = prod_{s <= t} (1 - beta_s), t = 0..T-1 (float64)."""
-  return _alpha_bars(cfg.steps, cfg.beta_start, cfg.beta_end)
+  schedule = cfg.get("schedule", "linear")
+  if schedule not in SCHEDULES:
+    from nnx_zoo.common.errors import UserError
+
+    raise UserError(f"Unknown diffusion.schedule {schedule!r}: use one of {SCHEDULES}.")
+  return _alpha_bars(schedule, cfg.steps, cfg.beta_start, cfg.beta_end)
 
 
 @functools.cache  # read for every training example
-def _alpha_bars(steps: int, beta_start: float, beta_end: float) -> np.ndarray:
-  out = np.cumprod(1.0 - np.linspace(beta_start, beta_end, steps, dtype=np.float64))
+def _alpha_bars(schedule: str, steps: int, beta_start: float, beta_end: float) -> np.ndarray:
+  if schedule == "linear":
+    betas = np.linspace(beta_start, beta_end, steps, dtype=np.float64)
+  else:  # cosine: abar(u) = cos((u + s) / (1 + s) * pi / 2)^2, u = t / T, betas capped at 0.999
+    s = 0.008
+    f = np.cos((np.arange(steps + 1) / steps + s) / (1 + s) * np.pi / 2) ** 2
+    betas = np.minimum(1 - f[1:] / f[:-1], 0.999)
+  out = np.cumprod(1.0 - betas)
   out.flags.writeable = False
   return out
 

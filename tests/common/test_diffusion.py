@@ -28,6 +28,22 @@ def test_schedule_is_ddpm_linear_betas():
   assert ts.tolist() == [99, 74, 50, 25, 0]
 
 
+def test_cosine_schedule_is_improved_ddpms():
+  """Nichol and Dhariwal (2021), eq. 17: abar_t = f(t) / f(0), f(t) = cos((t/T + s) / (1 + s) *
+  pi / 2)^2, with betas clipped at 0.999."""
+  cfg = diffusion.config(steps=50, schedule="cosine")
+  T, s = 50, 0.008
+
+  def f(t):
+    return math.cos((t / T + s) / (1 + s) * math.pi / 2) ** 2
+
+  prod, want = 1.0, []
+  for t in range(1, T + 1):
+    prod *= 1 - min(1 - f(t) / f(t - 1), 0.999)
+    want.append(prod)
+  np.testing.assert_allclose(diffusion.alpha_bars(cfg), want, rtol=1e-12)
+
+
 def test_forward_process_and_label_drop():
   rng = np.random.default_rng(0)
   images = rng.random((2000, 4, 4, 1))
