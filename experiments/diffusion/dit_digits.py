@@ -4,8 +4,18 @@ Command:   zoo run diffusion/dit-digits --workdir runs/dit-digits
            zoo eval diffusion/dit-digits --workdir runs/dit-digits   # samples: accuracy, novelty
            zoo generate --workdir runs/dit-digits --num-per-label 10 --out digits.npz
 Hardware:  a 2-core CPU (no accelerator needed).
-Time:      not measured yet.
-Expected:  not measured yet.
+Time:      651 s (10.9 min) of training for 2,000 steps, 8.5 CPU-minutes, on the 2 CPU cores
+           shared with another engineer's training job (load average 6-13 through the run);
+           `zoo eval` 67 s (1,000 samples, 50 guided DDIM steps each).
+Expected:  of 1,000 samples (100 a class, guidance 3, 50 DDIM steps, eta 0, seed 0), 95.2% are
+           labelled as their class by an RBF SVM trained on the 1,437 training images (96.3%
+           with seed 1), and 89.6% lie farther from their nearest training image than the
+           median nearest-neighbour distance among the training images (1.01): not copies.
+           Held-out loss 0.0991. For comparison, the 360 held-out real digits: 94.2% and 64.4%.
+           Guidance 3 was chosen after this run: at guidance 2 (the first default) the same
+           model gives 89.6% (seed 0) and 90.4% (seed 1), novelty 0.90 and 0.89. An earlier run
+           of 3,000 steps stopped at step 2,000 (learning rate not yet decayed) gave 99.8% at
+           guidance 3 and 99.0% at guidance 2 (novelty 0.84); at step 1,000, 33%.
 Data:      the first 1,437 of the 1,797 8x8 grey digits of `sklearn.datasets.load_digits` (the
            last 360, held out, give the eval loss and the real-image reference of `zoo eval`).
 """
@@ -29,19 +39,19 @@ def get_config(arg=None):
   c.data = images.config(kind="digits", augment="none")
 
   # Model: 2x2 patches (16 tokens), 4 adaLN-Zero blocks, D=96, 4 heads of 24; 10 classes and
-  # the null class.
+  # the null class (723,844 parameters).
   c.model = dit.config("tiny", dim=96, num_layers=4, num_heads=4, image_size=8, patch=2,
                        channels=1, out_channels=1, num_classes=10)
 
   # Diffusion: DDPM's 1,000 linear-beta steps, 10% of labels dropped for guidance; sampled by
-  # DDIM in 50 steps with guidance 2.
-  c.diffusion = diffusion.config(label_drop=0.1, sample_steps=50, guidance=2.0, eta=0.0)
+  # DDIM in 50 steps with guidance 3.
+  c.diffusion = diffusion.config(label_drop=0.1, sample_steps=50, guidance=3.0, eta=0.0)
 
   # Optimizer
   c.optim = settings.optim(lr=1e-3, warmup_steps=200, b2=0.99, weight_decay=0.0)
 
-  # Training: 128 images a step.
-  c.train = settings.train(steps=3000, batch_size=128, log_every=100, eval_every=1000,
+  # Training: 128 images a step, 2,000 steps (178 epochs).
+  c.train = settings.train(steps=2000, batch_size=128, log_every=100, eval_every=1000,
                            checkpoint_every=1000, keep_checkpoints=1)
   c.mesh = mesh.config()
   # Mesh rules: the first pattern matching the hardware (`zoo show` says which) sets the mesh.
