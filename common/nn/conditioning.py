@@ -22,8 +22,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from nnx_zoo.common import parallel
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn.linear import Embedding, Linear
+from nnx_zoo.common.nn.linear import Linear, normal
 
 MODULATIONS = ("none", "adaln_zero")
 
@@ -83,18 +84,32 @@ class TimestepEmbed(nnx.Module):
 
 
 class ClassEmbed(nnx.Module):
-  """labels [B] in 0..num_classes (num_classes: the null class) -> [B, D]."""
+  """labels [B] in 0..num_classes (num_classes: the null class) -> [B, D]. A table of its own,
+  not the token `Embedding`: a few classes plus one (11 rows) do not split over `tensor` as a
+  vocabulary does, so only D is sharded (as learned positions)."""
 
-  def __init__(self, num_classes: int, dim: int, *, init_std: float, rngs, **dt):
-    self.num_classes = num_classes
-    self.table = Embedding(num_classes + 1, dim, init_std=init_std, rngs=rngs, **dt)
+  def __init__(
+    self,
+    num_classes: int,
+    dim: int,
+    *,
+    init_std: float,
+    rngs,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+  ):
+    self.num_classes, self.dtype = num_classes, dtype
+    self.embedding = nnx.Param(
+      normal(init_std)(rngs.params(), (num_classes + 1, dim), param_dtype), axes=(None, "D")
+    )
 
   @property
   def null_id(self) -> int:
     return self.num_classes
 
   def __call__(self, labels_B: jax.Array) -> jax.Array:
-    return self.table(labels_B)
+    table = parallel.gather(self.embedding[...], (None, "D"))
+    return jnp.take(table, labels_B, axis=0).astype(self.dtype)
 
 
 class Conditioning(nnx.Module):

@@ -106,7 +106,7 @@ def test_modulation_starts_at_zero_and_splits_in_order():
 def test_class_table_has_the_null_class():
   cfg = conditioning.config(num_classes=10)
   cond = conditioning.Conditioning(cfg, 8, init_std=0.02, rngs=nnx.Rngs(0))
-  assert cond.label.table.embedding.shape == (11, 8) and cond.label.null_id == 10
+  assert cond.label.embedding.shape == (11, 8) and cond.label.null_id == 10
 
 
 def block_cfg(**kw):

@@ -109,10 +109,7 @@ def rules(cfg) -> list:
   table = f"{emb}.class_embedder.embedding_table.weight"
   r.append(
     tied(
-      [
-        copy(f"transformer_blocks.{i}.{table}", "conditioning.label.table.embedding")
-        for i in range(L)
-      ]
+      [copy(f"transformer_blocks.{i}.{table}", "conditioning.label.embedding") for i in range(L)]
     )
   )
   for i in range(L):
