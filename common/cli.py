@@ -16,6 +16,8 @@ zoo run  EXP --workdir DIR [--config.KEY=VALUE ...]   # train; resumes if DIR ha
 zoo eval EXP --workdir DIR [--config.KEY=VALUE ...]   # held-out loss of DIR's latest checkpoint
 zoo generate --workdir DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
 zoo generate --workdir DIR --audio FILE.wav       # a speech model's transcript of the audio
+zoo generate --workdir DIR (--labels 3,3,7 | --num-per-label N) --out FILE.npz [--guidance G
+             --steps S --eta E --seed I]             # a class-conditional image model (DiT)
 zoo convert hf SRC_DIR --out DIR [--param-dtype float32]  # Hugging Face dir -> zoo checkpoint
 zoo export hf --workdir DIR --out DIR             # zoo checkpoint -> Hugging Face dir
 
@@ -72,9 +74,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--process-id", type=int)
   gen = sub.add_parser("generate")
   gen.add_argument("--workdir", required=True)
-  what = gen.add_mutually_exclusive_group(required=True)
+  what = gen.add_mutually_exclusive_group()  # a language model's prompt, or a speech model's WAV
   what.add_argument("--prompt")
   what.add_argument("--audio", help="a WAV file to transcribe (a speech model's workdir)")
+  # An image model (DiT) takes the next ones instead.
+  gen.add_argument("--labels", help="comma-separated class ids, one image each")
+  gen.add_argument("--num-per-label", type=int, help="N images of every class")
+  gen.add_argument("--out", help="the .npz file: images [N, H, W, C] in [0, 1], labels [N]")
+  gen.add_argument("--guidance", type=float, help="classifier-free guidance (1: none)")
+  gen.add_argument("--steps", type=int, help="sampling steps")
+  gen.add_argument("--eta", type=float, help="DDIM's eta: 0 deterministic, 1 ancestral")
   gen.add_argument("--max-new-tokens", type=int, default=200)
   gen.add_argument("--temperature", type=float, help="0: greedy (default 0.8; --audio: 0)")
   gen.add_argument("--top-k", type=int, default=0)
@@ -192,6 +201,10 @@ def cmd_eval(args, overrides):
   if data.eval is None:
     raise UserError(f"{args.exp} has no held-out split: set data.eval_files.")
   result = trainer.evaluate(params, data, graphdef=graphdef, cfg=cfg)
+  if cfg.get("diffusion") is not None:  # a denoiser: its samples' class accuracy and novelty
+    from nnx_zoo.common.train import diffusion
+
+    result.update(diffusion.evaluate_samples(graphdef, params, cfg))
   log = metrics.MetricsLog(args.workdir)
   log.write(step, result, split="eval")
   log.close()
@@ -244,6 +257,7 @@ def cmd_generate(args, _overrides):
   from nnx_zoo.common import models, sampling
   from nnx_zoo.common.data import spans, tokenizers
   from nnx_zoo.common.hub import weights
+  from nnx_zoo.common.nn.denoiser import Denoiser
   from nnx_zoo.common.nn.transformer import EncoderDecoder
 
   path = os.path.join(args.workdir, "config.json")
@@ -252,11 +266,15 @@ def cmd_generate(args, _overrides):
   with open(path) as f:
     cfg = config_lib.from_json(f.read())
   model_cls = models.family_module(cfg.model.family).Model
+  if issubclass(model_cls, Denoiser):
+    return generate_images(args, cfg)
   seq2seq = issubclass(model_cls, EncoderDecoder)
   if args.audio is not None or cfg.model.get("inputs") == "frames":
     if args.audio is None:
       raise UserError(f"{args.workdir} holds a speech model: give it --audio FILE.wav.")
     return _transcribe(args, cfg, seq2seq)
+  if args.prompt is None:
+    raise UserError(f"{cfg.model.family} is a language model: give --prompt TEXT.")
   if not seq2seq and not hasattr(model_cls, "init_cache"):
     raise UserError(f"{cfg.model.family} is an encoder: `zoo generate` needs a decoder.")
   if not seq2seq and spans.has_sentinels(args.prompt):
@@ -302,6 +320,47 @@ def cmd_generate(args, _overrides):
     top_p=args.top_p,
   )
   print(tokenizer.decode(out[0].tolist()))
+
+
+def generate_images(args, cfg):
+  """`zoo generate` of a denoiser: images of the given classes into an .npz file."""
+  import numpy as np
+
+  from nnx_zoo.common.hub import weights
+  from nnx_zoo.common.train import diffusion
+
+  if args.prompt is not None:
+    raise UserError(f"{cfg.model.family} generates images: give --labels or --num-per-label.")
+  if args.out is None or (args.labels is None) == (args.num_per_label is None):
+    raise UserError("Give --out FILE.npz and one of --labels 3,3,7 or --num-per-label N.")
+  num_classes = cfg.model.conditioning.num_classes
+  if args.labels is not None:
+    try:
+      labels = np.array([int(x) for x in args.labels.split(",") if x.strip()], np.int32)
+    except ValueError:
+      raise UserError(f"--labels {args.labels!r}: give comma-separated class ids.") from None
+  else:
+    if args.num_per_label < 1:
+      raise UserError("--num-per-label must be at least 1.")
+    labels = np.repeat(np.arange(num_classes, dtype=np.int32), args.num_per_label)
+  if not len(labels) or labels.min() < 0 or labels.max() >= num_classes:
+    raise UserError(f"--labels must be class ids in 0..{num_classes - 1}.")
+  # A `zoo convert` output has no diffusion section: DiT's own schedule, the defaults.
+  settings = diffusion.config(**(cfg.diffusion.to_dict() if cfg.get("diffusion") else {}))
+  graphdef, params, _ = weights.restore_params(cfg, args.workdir)
+  images = diffusion.sample(
+    (graphdef, params),
+    labels,
+    cfg=settings,
+    seed=args.seed,
+    guidance=args.guidance,
+    sample_steps=args.steps,
+    eta=args.eta,
+  )
+  out = args.out if args.out.endswith(".npz") else args.out + ".npz"
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  np.savez(out, images=images.astype(np.float32), labels=labels)
+  print(json.dumps({"out": os.path.abspath(out), "images": list(images.shape)}))
 
 
 def cmd_convert(args, _overrides):

@@ -22,5 +22,6 @@ REGISTRY = {
     "vision/vit-b16": "nnx_zoo.experiments.vision.vit_b16",
     "vision/clip-vit-b32": "nnx_zoo.experiments.vision.clip_vit_b32",
     "speech/spoken-digits": "nnx_zoo.experiments.speech.spoken_digits",
+    "diffusion/dit-digits": "nnx_zoo.experiments.diffusion.dit_digits",
 }
 DEFAULT = "lm/shakespeare-char"

@@ -290,6 +290,9 @@ DEFINITIONS = [
     r"|PatchEmbed|Stem|Conv|Position|Embedding|Decoder|Encoder)"
   ),
   re.compile(r"def \w*(apply_rope|rotary|rope_|relative_position|attend|patchify)"),
+  # Conditioning (DiT): timestep and class embeddings, adaLN modulation.
+  re.compile(r"class \w*(Modulation|Conditioning|Timestep|AdaLN|LabelEmbed|ClassEmbed)"),
+  re.compile(r"def \w*(modulate|timestep_(features|embedding)|sincos)"),
 ]
 # In a model file these mean attention (or a piece of it) written by hand.
 MODEL_FILE_USES = [
@@ -313,9 +316,13 @@ def test_violation_check_catches_private_copies():
   text = "class MyRMSNorm(nnx.Module):\n  pass\ndef apply_rope(x):\n  return jnp.einsum('x', x)\n"
   found = violations("zoo/fake/model.py", text)
   assert [v.split(":")[1] for v in found] == ["1", "3", "4"], found
-  for own in ("SwiGLUMLP", "SparseMoE", "GemmaDecoderLayer", "Block", "T5RelativePosition"):
+  for own in (
+    "SwiGLUMLP", "SparseMoE", "GemmaDecoderLayer", "Block", "T5RelativePosition",
+    "AdaLNZeroModulation", "TimestepEmbedder", "DiTConditioning",
+  ):  # fmt: skip
     assert violations("zoo/fake/model.py", f"class {own}(nnx.Module):\n"), own
   assert violations("zoo/fake/params.py", "y = jnp.einsum('x', x)\n") == []
+  assert violations("zoo/fake/model.py", "def modulate(x, shift, scale):\n")
 
 
 def test_zoo_defines_no_attention_rope_or_norm():

@@ -10,6 +10,7 @@ seen.
 """
 
 import os
+from collections.abc import Callable
 
 import grain
 import ml_collections
@@ -182,6 +183,7 @@ def train_iterator(
   augment_prob: float = 1.0,
   num_captions: int = 0,
   caption_tokens: np.ndarray | None = None,
+  then: Callable | None = None,
 ) -> grain.DatasetIterator:
   """Endless shuffled global batches (reshuffled each epoch), this process's share of each.
   augment="shift" moves each image by up to max_shift pixels each way, "affine" also rotates it
@@ -190,7 +192,9 @@ def train_iterator(
   one caption per image (the "captions" entry, an index into `captions(label)`). Both are drawn
   per position in the stream, so each epoch draws anew and a restored iterator draws the same.
   `caption_tokens` [classes, captions, T] (`caption_tokens(T)`) picks the captions among its
-  own (num_captions is its second dim) and adds their tokens (the "text" entry)."""
+  own (num_captions is its second dim) and adds their tokens (the "text" entry). `then(example,
+  rng) -> example`: a last draw from the same stream (a diffusion's forward process,
+  common/train/diffusion.py)."""
   if caption_tokens is not None:
     num_captions = caption_tokens.shape[1]
   if augment not in AUGMENTS:
@@ -220,7 +224,7 @@ def train_iterator(
       out["captions"] = np.int32(rng.integers(num_captions))
       if caption_tokens is not None:
         out["text"] = caption_tokens[example["labels"], out["captions"]]
-    return out
+    return out if then is None else then(out, rng)
 
   draw_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])  # not the shuffle's
   ds = (

@@ -135,25 +135,38 @@ def read_hf_config(src: str) -> dict:
       hf = json.load(f)
   except json.JSONDecodeError as e:
     raise UserError(f"{path} is not valid JSON ({e}).") from None
-  if "model_type" not in hf:
+  if "model_type" not in hf and "_class_name" not in hf:
     raise UserError(f"{path} has no model_type: the zoo cannot tell the architecture.")
   return hf
 
 
+def architecture(hf: dict) -> str:
+  """What a config.json says the model is: transformers' `model_type`, or diffusers'
+  `_class_name` (a diffusers model's config has no model_type)."""
+  return hf.get("model_type") or hf["_class_name"]
+
+
+# transformers' weights file, then diffusers' (a diffusers model directory).
+WEIGHTS_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
+
+
 class SafeTensors:
   """The tensors of an HF directory: model.safetensors, or the shards a
-  model.safetensors.index.json names. Names, shapes and dtypes are read without the data."""
+  model.safetensors.index.json names (or diffusers' diffusion_pytorch_model.safetensors and
+  its index). Names, shapes and dtypes are read without the data."""
 
   def __init__(self, src: str):
     from safetensors import safe_open
 
-    index = os.path.join(src, "model.safetensors.index.json")
+    indexes = [os.path.join(src, f"{name}.index.json") for name in WEIGHTS_NAMES]
+    index = next((p for p in indexes if os.path.isfile(p)), indexes[0])
+    single = [name for name in WEIGHTS_NAMES if os.path.isfile(os.path.join(src, name))]
     if os.path.isfile(index):
       with open(index) as f:
         weight_map = json.load(f)["weight_map"]
       files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(src, "model.safetensors")):
-      files = ["model.safetensors"]
+    elif single:
+      files = single[:1]
     else:
       others = [f for f in os.listdir(src) if f.endswith((".bin", ".pt", ".h5", ".msgpack"))]
       raise UserError(
@@ -270,7 +283,7 @@ def read_hf(src: str, *, param_dtype: str = "float32"):
   """The model config and params of an HF directory, and what was read: its config.json and
   the tensors dropped (IGNORED)."""
   hf = read_hf_config(src)
-  mod = params_module(family_of(hf["model_type"]))
+  mod = params_module(family_of(architecture(hf)))
   tensors = SafeTensors(src)
   cfg = mod.config_from_hf(hf, tensors.names())
   cfg.param_dtype = param_dtype

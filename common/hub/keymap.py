@@ -5,6 +5,7 @@ translations several families share (RoPE parameters, layer-type patterns)."""
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 
 from nnx_zoo.common.errors import UserError
@@ -91,6 +92,27 @@ def fixed(hf: str, value: Callable, *, what: str) -> Rule:
     return ()
 
   return Rule(hf, (), check, value)
+
+
+def tied(rules: list[Rule]) -> Rule:
+  """One zoo parameter stored as equal copies under several HF names, each given by a rule of
+  the same zoo parameter (diffusers' DiT keeps a copy of the timestep and class embedders in
+  every block; its converted checkpoints hold the same tensors in each): read from the first,
+  refused unless every copy equals it, and written to all."""
+  (zoo,) = {r.zoo for r in rules}
+  names = tuple(r.hf for r in rules)
+
+  def to_zoo(*xs):
+    first = rules[0].to_zoo(xs[0])
+    concrete = not any(isinstance(x, jax.core.Tracer) for x in xs)
+    if concrete and any(not bool(jnp.array_equal(x, xs[0])) for x in xs[1:]):
+      raise UserError(
+        f"{', '.join(names)} differ: the zoo keeps one copy of them ({', '.join(zoo)}), so only "
+        "checkpoints whose copies are equal (as diffusers' converted DiT checkpoints) convert."
+      )
+    return first
+
+  return Rule(names, zoo, to_zoo, lambda *z: tuple(r.to_hf(*z) for r in rules))
 
 
 def stack_transposed(hf: tuple[str, ...], zoo: str) -> Rule:

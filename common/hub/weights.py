@@ -19,7 +19,15 @@ from nnx_zoo.common import models
 from nnx_zoo.common.data import tokenizers as tokenizers_lib
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, paths
-from nnx_zoo.common.hub.hf import NOT_KEPT, TOKENIZER_FILES, fetch, params_module, read_hf, to_hf
+from nnx_zoo.common.hub.hf import (
+  NOT_KEPT,
+  TOKENIZER_FILES,
+  architecture,
+  fetch,
+  params_module,
+  read_hf,
+  to_hf,
+)
 from nnx_zoo.common.nn import lora, memory
 
 
@@ -253,7 +261,7 @@ def export_hf(workdir: str, out: str) -> dict:
   mod = params_module(cfg.family)
   base = meta.get("source", {}).get("config", {})
   hf_config = mod.config_to_hf(cfg, base.get("model_type"))
-  if base.get("model_type") == hf_config["model_type"]:
+  if base and architecture(base) == architecture(hf_config):
     # A conversion's own config.json gives what the zoo does not model (token ids, maximum
     # length...); ours overrides the rest.
     kept = {k: v for k, v in base.items() if k not in NOT_KEPT}
@@ -265,7 +273,9 @@ def export_hf(workdir: str, out: str) -> dict:
 
   def write(tmp):
     os.makedirs(tmp)
-    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    # diffusers' models name their weights file otherwise (a family's params.WEIGHTS_NAME).
+    weights_name = getattr(mod, "WEIGHTS_NAME", "model.safetensors")
+    save_file(tensors, os.path.join(tmp, weights_name), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(hf_config, f, indent=2, sort_keys=True)
     for f in files:
@@ -276,7 +286,7 @@ def export_hf(workdir: str, out: str) -> dict:
   _write_atomically(out, write)
   return {
     "out": os.path.abspath(out),
-    "architecture": hf_config["architectures"][0],
+    "architecture": (hf_config.get("architectures") or [architecture(hf_config)])[0],
     "tensors": len(tensors),
     "params": int(sum(np.prod(t.shape) for t in tensors.values())),
   }

@@ -41,29 +41,43 @@ class LayerNorm(nnx.Module):
     *,
     eps: float = 1e-5,
     use_bias: bool = True,
+    affine: bool = True,
     dtype=jnp.float32,
     param_dtype=jnp.float32,
   ):
     self.eps, self.dtype = eps, dtype
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=("D",))
+    # affine=False: no scale and no bias (DiT's norms, which adaLN modulates instead).
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=("D",)) if affine else None
+    use_bias = use_bias and affine
     self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), axes=("D",)) if use_bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     mean = jnp.mean(x32, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-    y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(jnp.float32)
+    y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+    if self.scale is not None:
+      y = y * self.scale[...].astype(jnp.float32)
     if self.bias is not None:
       y = y + self.bias[...].astype(jnp.float32)
     return y.astype(self.dtype)
 
 
-def config(kind: str = "rms", *, eps: float = 1e-6, use_bias: bool = True, offset: float = 0.0):
-  """A norm sub-config; `use_bias` is read by "layer" only, `offset` by "rms" only (1.0:
-  Gemma's x * (1 + w))."""
+def config(
+  kind: str = "rms",
+  *,
+  eps: float = 1e-6,
+  use_bias: bool = True,
+  offset: float = 0.0,
+  affine: bool = True,
+):
+  """A norm sub-config; `use_bias` and `affine` are read by "layer" only (affine=False: neither
+  scale nor bias, DiT's), `offset` by "rms" only (1.0: Gemma's x * (1 + w))."""
   cfg = ml_collections.ConfigDict({"kind": kind, "eps": eps})
   if kind == "layer":
     cfg.use_bias = use_bias
+    if not affine:  # only when set, so the configs written before it read the same
+      cfg.affine = False
   if kind == "rms":
     cfg.offset = offset
   return cfg
@@ -83,5 +97,12 @@ def make(cfg, dim: int, *, dtype=jnp.float32, param_dtype=jnp.float32) -> nnx.Mo
       dim, eps=cfg.eps, offset=cfg.get("offset", 0.0), dtype=dtype, param_dtype=param_dtype
     )
   if cfg.kind == "layer":
-    return LayerNorm(dim, eps=cfg.eps, use_bias=cfg.use_bias, dtype=dtype, param_dtype=param_dtype)
+    return LayerNorm(
+      dim,
+      eps=cfg.eps,
+      use_bias=cfg.use_bias,
+      affine=cfg.get("affine", True),
+      dtype=dtype,
+      param_dtype=param_dtype,
+    )
   raise UserError(f"Unknown norm kind {cfg.kind!r}: use 'rms' or 'layer'.")

@@ -1,6 +1,6 @@
-"""Patch embedding (ViT, CLIP): images [B, H, W, C] -> one vector per patch [B, T, D]; and its
-1-D relative, a stem of 1-D convolutions over feature frames [B, T, C] (Whisper's log-mel
-front-end), `ConvStem`.
+"""Patch embedding (ViT, CLIP, DiT): images [B, H, W, C] -> one vector per patch [B, T, D]; and
+back (`unpatchify`: a denoiser's per-patch outputs as an image); and its 1-D relative, a stem of
+1-D convolutions over feature frames [B, T, C] (Whisper's log-mel front-end), `ConvStem`.
 
 A convolution with stride = kernel = patch is a linear map of each flattened patch, so it runs as
 the shared `Linear` (one 2-D matmul, see DESIGN.md for why not 3-D, let alone a convolution).
@@ -152,3 +152,18 @@ class ConvStem(nnx.Module):
     for conv, stride in zip(self.convs, self.strides, strict=True):
       x = self.activation(conv(windows(x, width=self.width, stride=stride)))
     return x
+
+
+def unpatchify(x_BTK: jax.Array, *, patch: int, channels: int) -> jax.Array:
+  """[B, T, p * p * C] -> [B, H, W, C]: each token's vector read in (row, column, channel) order
+  of its patch (DiT's output layout, not the conv kernel's (channel, row, column) of `patches`),
+  the tokens row by row over a square grid."""
+  B, T, K = x_BTK.shape
+  side = int(round(T**0.5))
+  if side * side != T or patch * patch * channels != K:
+    raise UserError(
+      f"Cannot unpatchify [{B}, {T}, {K}] into a square image of {patch}x{patch} patches with "
+      f"{channels} channels."
+    )
+  x = x_BTK.reshape(B, side, side, patch, patch, channels)
+  return x.transpose(0, 1, 3, 2, 4, 5).reshape(B, side * patch, side * patch, channels)

@@ -1,5 +1,6 @@
 """Position encodings, one choice per model: "rope" (with scaling), "alibi", "learned",
-"sinusoidal" (fixed, added), "relative" (T5) or "none".
+"sinusoidal" (fixed, added), "relative" (T5), "sincos_2d" (a fixed table over a grid of image
+patches) or "none".
 
 Each kind answers three questions the model and attention ask, and the answer is "nothing" for
 the kinds it does not concern: `embed` adds to token embeddings (learned, sinusoidal), `rotate`
@@ -25,8 +26,8 @@ ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 def config(kind: str = "rope", **kw) -> ml_collections.ConfigDict:
   """A position sub-config. rope: theta, scaling; learned: max_len; sinusoidal: max_len (the
   longest sequence), theta (the longest wavelength's scale); relative (T5): num_buckets,
-  max_distance, bidirectional (True in an encoder, False in a causal decoder); alibi and none:
-  nothing."""
+  max_distance, bidirectional (True in an encoder, False in a causal decoder); sincos_2d: grid
+  (patches per side); alibi and none: nothing."""
   if kind == "rope":
     cfg = {"kind": "rope", "theta": kw.pop("theta", 10_000.0), "scaling": rope_scaling("none")}
     if "scaling" in kw:
@@ -37,6 +38,8 @@ def config(kind: str = "rope", **kw) -> ml_collections.ConfigDict:
     cfg = {"kind": "sinusoidal", "max_len": kw.pop("max_len"), "theta": kw.pop("theta", 10_000.0)}
   elif kind in ("alibi", "none"):
     cfg = {"kind": kind}
+  elif kind == "sincos_2d":
+    cfg = {"kind": "sincos_2d", "grid": kw.pop("grid")}
   elif kind == "relative":
     cfg = {
       "kind": "relative",
@@ -46,7 +49,8 @@ def config(kind: str = "rope", **kw) -> ml_collections.ConfigDict:
     }
   else:
     raise UserError(
-      f"Unknown position kind {kind!r}: use rope, alibi, learned, sinusoidal, relative or none."
+      f"Unknown position kind {kind!r}: use rope, alibi, learned, sinusoidal, relative, sincos_2d "
+      "or none."
     )
   if kw:
     raise UserError(f"Position kind {kind!r} takes no {sorted(kw)}.")
@@ -216,6 +220,35 @@ class Sinusoidal(Position):
     return x_BTD + sinusoids(positions_BT, self.dim, self.theta).astype(x_BTD.dtype)
 
 
+def sincos_2d_table(dim: int, grid: int) -> np.ndarray:
+  """The fixed [grid * grid, dim] table of MAE and DiT (diffusers' `get_2d_sincos_pos_embed`):
+  patch (row i, column j), row-major, gets sin/cos features of j in its first dim / 2 entries and
+  of i in the rest; each half is sin(p * w_k) then cos(p * w_k), w_k = 10000^(-k / (dim / 4))."""
+  if dim % 4:
+    raise UserError(f"Position kind 'sincos_2d' needs a width divisible by 4, not {dim}.")
+  omega = 1.0 / 10_000 ** (np.arange(dim // 4, dtype=np.float64) / (dim / 4))
+  rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
+
+  def one(p):
+    out = p.reshape(-1)[:, None] * omega[None, :]
+    return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+
+  return np.concatenate([one(cols), one(rows)], axis=1).astype(np.float32)
+
+
+class SinCos2D(Position):
+  """A fixed 2-D sin-cos table over a grid x grid of patches, added to the embeddings: no
+  parameters (ViT-style image stacks with fixed positions: MAE, DiT)."""
+
+  def __init__(self, grid: int, dim: int):
+    self.grid, self.dim = grid, dim
+    sincos_2d_table(dim, grid)  # a width it cannot fill is refused when the model is built
+
+  def embed(self, x_BTD, positions_BT):
+    table_TD = jnp.asarray(sincos_2d_table(self.dim, self.grid))
+    return x_BTD + jnp.take(table_TD, positions_BT, axis=0).astype(x_BTD.dtype)
+
+
 def relative_position_bucket(
   relative_position, *, bidirectional: bool, num_buckets: int, max_distance: int
 ) -> jax.Array:
@@ -329,10 +362,13 @@ def make(
       param_dtype=param_dtype,
       rngs=rngs,
     )
+  if cfg.kind == "sincos_2d":
+    return SinCos2D(cfg.grid, dim)
   if cfg.kind == "none":
     return Position()
   raise UserError(
-    f"Unknown position kind {cfg.kind!r}: use rope, alibi, learned, sinusoidal, relative or none."
+    f"Unknown position kind {cfg.kind!r}: use rope, alibi, learned, sinusoidal, relative, "
+    "sincos_2d or none."
   )
 
 

@@ -14,6 +14,11 @@ every choice that tells families apart is a config value:
   repetition of the pattern;
 - the sub-configs of attention, position, norm and MLP (`mlp.kind`: dense or MoE), each the
   shared layer's own config;
+- `modulation`: "adaln_zero" modulates a pre-norm block by a conditioning vector c [B, D]
+  (`cond_BD`): x + gate * f(norm(x) * (1 + scale) + shift) per sub-layer, shift, scale and gate
+  from SiLU -> Linear(c) started at zero (DiT's adaLN-Zero, common/nn/conditioning.py); the
+  `Denoiser` stack (common/nn/denoiser.py) gives c from a timestep and a class; `mlp_norm`, if
+  given, is the MLP's norm config where it differs from the attention's (diffusers' DiT);
 - the Encoder's `inputs`: token ids (BERT, CLIP's text tower), images cut into patches (ViT,
   CLIP's vision tower, see `patch_inputs`) or feature frames through a stem of 1-D convolutions
   (an audio front-end, see `frame_inputs`; so may an `EncoderDecoder`'s encoder), and
@@ -36,6 +41,7 @@ from flax import nnx
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import (
   attention,
+  conditioning,
   lora,
   memory,
   mlp,
@@ -246,6 +252,22 @@ def _period(cfg) -> int:
   return len(cfg.get("layer_pattern", ())) or 1
 
 
+def _check_modulation(cfg) -> str:
+  modulation = cfg.get("modulation", "none")
+  if modulation not in conditioning.MODULATIONS:
+    raise UserError(
+      f"Unknown model.modulation {modulation!r}: use one of {conditioning.MODULATIONS}."
+    )
+  if modulation != "none" and (
+    cfg.get("norm_placement", "pre") != "pre" or cfg.get("cross_attention", False)
+  ):
+    raise UserError(
+      f"model.modulation={modulation!r} modulates pre-norm blocks without cross-attention: set "
+      "model.norm_placement='pre'."
+    )
+  return modulation
+
+
 def _check(cfg):
   if cfg.get("norm_placement", "pre") not in NORM_PLACEMENTS:
     raise UserError(
@@ -283,8 +305,14 @@ class Block(nnx.Module):
       cfg.attention, D, norm=cfg.norm, out_init_std=out_std, rngs=rngs, **dt
     )
     self.attn_out_norm = norms.make(cfg.norm, D, **dt) if both else None
-    self.mlp_norm = norms.make(cfg.norm, D, **dt)
+    self.mlp_norm = norms.make(cfg.get("mlp_norm") or cfg.norm, D, **dt)
     self.mlp = mlp.make(cfg.mlp, D, out_init_std=out_std, rngs=rngs, **dt)
+    # adaLN-Zero: shift, scale and gate of the attention, then of the MLP.
+    self.modulation = (
+      conditioning.Modulation(D, 6, rngs=rngs, **dt)
+      if _check_modulation(cfg) == "adaln_zero"
+      else None
+    )
     self.mlp_out_norm = norms.make(cfg.norm, D, **dt) if both else None
     cross = cfg.get("cross_attention", False)
     # Every source token is visible to every target token: no causal mask, no window.
@@ -308,9 +336,20 @@ class Block(nnx.Module):
     cache=None,
     source_BSD=None,
     source_segment_ids_BS=None,
+    cond_BD=None,
   ):
     """`source_BSD` (and its segment ids): what cross-attention attends to, an encoder's output;
-    when decoding, `cache` is a `CrossCache` holding it projected instead."""
+    when decoding, `cache` is a `CrossCache` holding it projected instead. `cond_BD`: the
+    conditioning a modulated block reads (`modulation`)."""
+    if self.modulation is not None:
+      return self._modulated(
+        x_BTD,
+        cond_BD,
+        positions_BT=positions_BT,
+        segment_ids_BT=segment_ids_BT,
+        position=position,
+        cache=cache,
+      )
     post = self.placement == "post"
     crossed = isinstance(cache, CrossCache)
     h_BTD, self_cache = self.attn(
@@ -340,6 +379,22 @@ class Block(nnx.Module):
     mask_BT = None if segment_ids_BT is None else segment_ids_BT != 0
     h_BTD = self.mlp(x_BTD if post else self.mlp_norm(x_BTD), mask_BT=mask_BT)
     return self._residual(x_BTD, h_BTD, self.mlp_norm, self.mlp_out_norm), self_cache
+
+  def _modulated(self, x_BTD, cond_BD, *, segment_ids_BT, cache, **attn_kw):
+    """adaLN-Zero: x + gate * f(modulate(norm(x), shift, scale)), for attention then MLP."""
+    if cond_BD is None:
+      raise UserError("A block with model.modulation='adaln_zero' needs the conditioning cond_BD.")
+    shift1, scale1, gate1, shift2, scale2, gate2 = self.modulation(cond_BD)
+    h_BTD, new_cache = self.attn(
+      conditioning.modulate(self.attn_norm(x_BTD), shift1, scale1),
+      segment_ids_BT=segment_ids_BT,
+      cache=cache,
+      **attn_kw,
+    )
+    x_BTD = x_BTD + gate1[:, None, :] * h_BTD
+    mask_BT = None if segment_ids_BT is None else segment_ids_BT != 0
+    h_BTD = self.mlp(conditioning.modulate(self.mlp_norm(x_BTD), shift2, scale2), mask_BT=mask_BT)
+    return x_BTD + gate2[:, None, :] * h_BTD, new_cache
 
   def _residual(self, x_BTD, h_BTD, norm, out_norm):
     if self.placement == "post":

@@ -24,7 +24,7 @@ from flax import nnx
 from nnx_zoo.common import parallel
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn.transformer import EncoderDecoder
-from nnx_zoo.common.train import contrastive
+from nnx_zoo.common.train import contrastive, diffusion
 
 
 def cross_entropy_and_grad(logits_MV: jax.Array, targets_M: jax.Array):
@@ -238,9 +238,12 @@ def seq2seq_sums(model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array,
 
 
 def task_sums(model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
-  """The loss sums of what the batch holds: images with caption tokens ("text") train CLIP,
+  """The loss sums of what the batch holds: noised images train a denoiser (DiT), images with
+  caption tokens ("text") train CLIP,
   source and target tokens ("targets") an encoder-decoder, labelled images or rows a
   classifier, token rows a language model."""
+  if "noisy_images" in batch:  # a denoiser (common/train/diffusion.py)
+    return diffusion.denoise_sums(model, batch)
   if "text" in batch:
     return contrastive_sums(model, batch)
   if "targets" in batch:

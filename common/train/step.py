@@ -130,6 +130,9 @@ def eval_step(params, batch: dict, *, graphdef, prompts=None) -> dict:
   """Summed loss and count (and, for a classifier, correct predictions) of one batch. With
   `prompts` [C, T] (a CLIP model's class prompts), labelled images are classified zero-shot."""
   model = nnx.merge(graphdef, params)
+  if "noisy_images" in batch:  # a denoiser's noised held-out images
+    total, count = losses.task_sums(model, batch)
+    return {"total": total, "count": count}
   if "targets" in batch:  # an encoder-decoder's source and target tokens
     total, count = losses.seq2seq_sums(model, batch)
     return {"total": total, "count": count}

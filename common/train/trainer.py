@@ -22,7 +22,7 @@ from nnx_zoo.common.data import images, pipeline, spans, speech, tokenizers
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
 from nnx_zoo.common.nn import memory
-from nnx_zoo.common.train import faults, optim
+from nnx_zoo.common.train import diffusion, faults, optim
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.common.train.metrics import MetricsLog
 
@@ -143,9 +143,10 @@ class Data:
 
 def load_data(cfg, *, train: bool = True) -> Data:
   """The data of `cfg.data.kind`: the one place that picks a pipeline by data kind (text rows,
-  common/data/pipeline.py; images, common/data/images.py; span-corrupted source and target
-  rows, common/data/spans.py; spoken audio and its words, common/data/speech.py).
-  `train=False`: the held-out split only (`zoo eval`)."""
+  common/data/pipeline.py; images, common/data/images.py, noised for a denoiser when the
+  experiment has a `diffusion` section; span-corrupted source and target rows,
+  common/data/spans.py; spoken audio and its words, common/data/speech.py). `train=False`: the
+  held-out split only (`zoo eval`)."""
   batch_size = cfg.train.batch_size
   if cfg.data.kind in speech.KINDS:
     if cfg.model.vocab_size < speech.VOCAB_SIZE:
@@ -168,7 +169,11 @@ def load_data(cfg, *, train: bool = True) -> Data:
   if cfg.data.kind in images.KINDS:
     held_out = images.load_split(cfg.data, "eval")
     length = cfg.data.caption_len  # > 0: image-caption pairs (CLIP)
-    iterator = None
+    iterator, then, batches = None, None, images.eval_batches
+    if cfg.get("diffusion") is not None:  # a denoiser: the forward process drawn with the data
+      num_classes = cfg.model.conditioning.num_classes
+      then = functools.partial(diffusion.noise_example, cfg=cfg.diffusion, num_classes=num_classes)
+      batches = diffusion.eval_batches(cfg.diffusion, num_classes, images.eval_batches)
     if train:
       iterator = images.train_iterator(
         images.load_split(cfg.data, "train"),
@@ -180,9 +185,10 @@ def load_data(cfg, *, train: bool = True) -> Data:
         max_scale=cfg.data.max_scale,
         augment_prob=cfg.data.augment_prob,
         caption_tokens=images.caption_tokens(length) if length else None,
+        then=then,
       )
     prompts = images.encode_texts(images.class_prompts(), length) if length else None
-    return Data(iterator, held_out, images.eval_batches, 1, prompts)
+    return Data(iterator, held_out, batches, 1, prompts)
   if cfg.data.kind in spans.KINDS:
     tokenizer = tokenizers.load(cfg.data.tokenizer)
     ids = spans.vocab_size(cfg.data, tokenizer)
@@ -260,4 +266,6 @@ def evaluate(params, data: Data, *, graphdef, cfg, layout: parallel.Layout | Non
     return {"loss": loss, "targets": int(count), **data.score(graphdef, params)}
   if "correct" in sums:  # a classifier
     return {"loss": loss, "accuracy": sums["correct"] / count, "examples": int(sums["count"])}
+  if cfg.get("diffusion") is not None:  # a denoiser's mean squared error: no perplexity
+    return {"loss": loss, "examples": int(count)}
   return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), "targets": int(count)}

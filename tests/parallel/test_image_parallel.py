@@ -1,6 +1,7 @@
 """The image tasks sharded equal one device (8 fake CPU devices, in a subprocess): ViT's
-classification loss, and CLIP's contrastive loss, whose negatives are the global batch however
-it is split over data and fsdp (and the towers' heads and MLPs over tensor)."""
+classification loss, CLIP's contrastive loss, whose negatives are the global batch however
+it is split over data and fsdp (and the towers' heads and MLPs over tensor), and DiT's denoising
+loss (its class table of 11 rows sharded over D only)."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multidevice, pytest.mark.slow]
 MESHES = ["(8, 1, 1)", "(2, 4, 1)", "(2, 2, 2)"]
-EXPERIMENTS = ["vision/vit-digits:smoke", "vision/clip-digits:smoke"]
+EXPERIMENTS = ["vision/vit-digits:smoke", "vision/clip-digits:smoke", "diffusion/dit-digits:smoke"]
 
 
 @pytest.fixture(scope="module", params=EXPERIMENTS)

@@ -1,0 +1,1 @@
+"""Diffusion experiments: denoisers trained and sampled by the one trainer."""
