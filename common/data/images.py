@@ -206,7 +206,6 @@ def train_iterator(
       f"The training data has {len(source)} images, fewer than train.batch_size={batch_size}: "
       "give more images or lower the batch size."
     )
-  share = pipeline.process_slice(batch_size)
 
   def draw(example, rng: np.random.Generator):
     image = example["images"]
@@ -226,32 +225,17 @@ def train_iterator(
         out["text"] = caption_tokens[example["labels"], out["captions"]]
     return out if then is None else then(out, rng)
 
-  draw_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])  # not the shuffle's
-  ds = (
-    grain.MapDataset.source(source)
-    .shuffle(seed=seed)
-    .repeat()
-    .random_map(draw, seed=draw_seed)
-    .batch(batch_size, drop_remainder=True)
-    .map(lambda batch: {k: v[share] for k, v in batch.items()})
-  )
-  return iter(ds)
+  return pipeline.shuffled_batches(source, batch_size=batch_size, seed=seed, draw=draw)
 
 
 def eval_batches(source: Images, *, batch_size: int, max_batches: int = 0):
   """The held-out images in order, never augmented; the last batch padded with weight-0 rows."""
-  starts = range(0, len(source), batch_size)
-  if max_batches:
-    starts = list(starts)[:max_batches]
-  share = pipeline.process_slice(batch_size)
-  for start in starts:
-    images = source.images[start : start + batch_size]
-    labels = source.labels[start : start + batch_size]
-    batch = {"images": images, "labels": labels, "weights": np.ones(len(images), np.float32)}
-    short = batch_size - len(images)
-    if short:
-      batch = {k: np.pad(v, [(0, short)] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
-    yield {k: v[share] for k, v in batch.items()}
+  arrays = {
+    "images": source.images,
+    "labels": source.labels,
+    "weights": np.ones(len(source), np.float32),
+  }
+  return pipeline.padded_batches(arrays, batch_size=batch_size, max_batches=max_batches)
 
 
 # Captions (CLIP)

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import re
+from collections.abc import Callable
 
 import grain
 import jax
@@ -328,6 +329,49 @@ def process_slice(batch_size: int) -> slice:
   return slice(index * per, (index + 1) * per)
 
 
+def shuffled_batches(
+  source, *, batch_size: int, seed: int, draw: Callable | None = None, draw_seed: int | None = None
+) -> grain.DatasetIterator:
+  """Endless shuffled global batches of `source`'s examples (reshuffled each epoch), this
+  process's share of each: what every data kind trains on. `draw(example, rng) -> example`, if
+  given, runs on each example with a random stream fixed by (draw_seed, its position in the
+  endless stream), so each epoch draws anew and a restored iterator (grain's state, saved in the
+  checkpoints) draws the same; draw_seed defaults to one derived from `seed`, apart from the
+  shuffle's."""
+  share = process_slice(batch_size)
+  ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat()
+  if draw is not None:
+    if draw_seed is None:
+      draw_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
+    ds = ds.random_map(draw, seed=draw_seed)
+  ds = ds.batch(batch_size, drop_remainder=True).map(
+    lambda batch: {k: v[share] for k, v in batch.items()}
+  )
+  return iter(ds)
+
+
+def padded_batches(
+  arrays: dict[str, np.ndarray], *, batch_size: int, max_batches: int = 0, pad: dict | None = None
+):
+  """Held-out `arrays` (one row per example) in order, batch by batch, this process's share of
+  each: what every data kind evaluates on. The last batch is padded with zeros (a weight, a
+  segment id or a target of 0 keeps a padded row out of the metrics), or with `pad[key]`."""
+  n = len(next(iter(arrays.values())))
+  starts = range(0, n, batch_size)
+  if max_batches:
+    starts = list(starts)[:max_batches]
+  share = process_slice(batch_size)
+  for start in starts:
+    batch = {k: v[start : start + batch_size] for k, v in arrays.items()}
+    short = batch_size - len(next(iter(batch.values())))
+    if short:
+      batch = {
+        k: np.pad(v, [(0, short)] + [(0, 0)] * (v.ndim - 1), constant_values=(pad or {}).get(k, 0))
+        for k, v in batch.items()
+      }
+    yield {k: v[share] for k, v in batch.items()}
+
+
 def train_iterator(rows: Rows, *, batch_size: int, seed: int) -> grain.DatasetIterator:
   """Endless shuffled global batches (reshuffled each epoch), this process's share of each."""
   if len(rows) < batch_size:
@@ -335,27 +379,9 @@ def train_iterator(rows: Rows, *, batch_size: int, seed: int) -> grain.DatasetIt
       f"The training data has {len(rows)} rows of seq_len + 1 tokens, fewer than "
       f"train.batch_size={batch_size}: give more text or lower the batch size."
     )
-  share = process_slice(batch_size)
-  ds = (
-    grain.MapDataset.source(rows)
-    .shuffle(seed=seed)
-    .repeat()
-    .batch(batch_size, drop_remainder=True)
-    .map(lambda batch: {k: v[share] for k, v in batch.items()})
-  )
-  return iter(ds)
+  return shuffled_batches(rows, batch_size=batch_size, seed=seed)
 
 
 def eval_batches(rows: Rows, *, batch_size: int, max_batches: int = 0):
   """The held-out rows in order, the last batch padded with segment 0 (masked from the loss)."""
-  n = len(rows)
-  starts = range(0, n, batch_size)
-  if max_batches:
-    starts = list(starts)[:max_batches]
-  share = process_slice(batch_size)
-  for start in starts:
-    batch = {k: v[start : start + batch_size] for k, v in rows.packed.items()}
-    short = batch_size - len(next(iter(batch.values())))
-    if short:
-      batch = {k: np.pad(v, [(0, short)] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
-    yield {k: v[share] for k, v in batch.items()}
+  return padded_batches(rows.packed, batch_size=batch_size, max_batches=max_batches)

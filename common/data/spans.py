@@ -20,7 +20,6 @@ ones once (`load_split`).
 import functools
 import re
 
-import grain
 import ml_collections
 import numpy as np
 
@@ -240,16 +239,11 @@ def train_iterator(rows: pipeline.Rows, *, batch_size: int, seed: int, corrupt):
       f"The training data has {len(rows)} rows, fewer than train.batch_size={batch_size}: "
       "give more text or lower the batch size."
     )
-  share = pipeline.process_slice(batch_size)
-  ds = (
-    grain.MapDataset.source(rows)
-    .shuffle(seed=seed)
-    .repeat()
-    .random_map(lambda row, rng: corrupt(row["tokens"], rng), seed=seed)
-    .batch(batch_size, drop_remainder=True)
-    .map(lambda batch: {k: v[share] for k, v in batch.items()})
+  draw = lambda row, rng: corrupt(row["tokens"], rng)
+  # draw_seed=seed, as before the shared pipeline: the spans of runs written earlier stay theirs.
+  return pipeline.shuffled_batches(
+    rows, batch_size=batch_size, seed=seed, draw=draw, draw_seed=seed
   )
-  return iter(ds)
 
 
 # Prompts with sentinels: `zoo generate` on a seq2seq workdir

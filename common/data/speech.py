@@ -231,7 +231,6 @@ def train_iterator(source: Split, cfg, *, batch_size: int, seed: int) -> grain.D
   SNR), drawn per position in the stream, so a restored iterator draws the same."""
   if len(source) < batch_size:
     raise UserError(f"{len(source)} utterances are fewer than train.batch_size={batch_size}.")
-  share = pipeline.process_slice(batch_size)
   frames = int(round(cfg.seconds * 100))
 
   def draw(example, rng: np.random.Generator):
@@ -251,38 +250,21 @@ def train_iterator(source: Split, cfg, *, batch_size: int, seed: int) -> grain.D
       "target_segment_ids": source.target_segment_ids[i],
     }
 
-  draw_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
-  ds = (
-    grain.MapDataset.source(source)
-    .shuffle(seed=seed)
-    .repeat()
-    .random_map(draw, seed=draw_seed)
-    .batch(batch_size, drop_remainder=True)
-    .map(lambda batch: {k: v[share] for k, v in batch.items()})
-  )
-  return iter(ds)
+  return pipeline.shuffled_batches(source, batch_size=batch_size, seed=seed, draw=draw)
 
 
 def eval_batches(source: Split, *, batch_size: int, max_batches: int = 0):
   """The held-out utterances in order (no augmentation); the last batch padded with rows whose
   targets are all padding (weight 0)."""
-  starts = range(0, len(source), batch_size)
-  if max_batches:
-    starts = list(starts)[:max_batches]
-  share = pipeline.process_slice(batch_size)
-  for start in starts:
-    sl = slice(start, start + batch_size)
-    batch = {
-      "inputs": source.features[sl],
-      "input_segment_ids": np.ones(source.features[sl].shape[:2], np.int32),
-      "targets": source.targets[sl],
-      "target_segment_ids": source.target_segment_ids[sl],
-    }
-    short = batch_size - len(batch["targets"])
-    if short:
-      batch = {k: np.pad(v, [(0, short)] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
-      batch["input_segment_ids"][-short:] = 1  # padded rows' audio: silence, seen by nothing
-    yield {k: v[share] for k, v in batch.items()}
+  arrays = {
+    "inputs": source.features,
+    "input_segment_ids": np.ones(source.features.shape[:2], np.int32),
+    "targets": source.targets,
+    "target_segment_ids": source.target_segment_ids,
+  }
+  # Padded rows' audio: silence that the encoder sees as one segment; their targets: none.
+  pad = {"input_segment_ids": 1}
+  return pipeline.padded_batches(arrays, batch_size=batch_size, max_batches=max_batches, pad=pad)
 
 
 def transcribe(model_or_split, features_BTC: np.ndarray, *, max_words: int) -> list[str]:
