@@ -28,6 +28,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from nnx_zoo.common.errors import UserError
+
 
 def config(**kw) -> ml_collections.ConfigDict:
   """The `diffusion` section of an experiment. steps: T of the schedule; schedule: "linear"
@@ -50,8 +52,6 @@ def config(**kw) -> ml_collections.ConfigDict:
   }
   unknown = set(kw) - set(cfg)
   if unknown:
-    from nnx_zoo.common.errors import UserError
-
     raise UserError(f"Unknown diffusion keys {sorted(unknown)}; known: {sorted(cfg)}.")
   return ml_collections.ConfigDict({**cfg, **kw})
 
@@ -66,8 +66,6 @@ def alpha_bars(cfg) -> np.ndarray:
   """abar_t = prod_{s <= t} (1 - beta_s), t = 0..T-1 (float64)."""
   schedule = cfg.get("schedule", "linear")
   if schedule not in SCHEDULES:
-    from nnx_zoo.common.errors import UserError
-
     raise UserError(f"Unknown diffusion.schedule {schedule!r}: use one of {SCHEDULES}.")
   return _alpha_bars(schedule, cfg.steps, cfg.beta_start, cfg.beta_end)
 
