@@ -22,6 +22,7 @@ COMMON_KEYS = (
   "mesh.data",
   "mesh.fsdp",
   "mesh.expert",
+  "mesh.context",
   "mesh.tensor",
   "init_from",
   "init_reinit",

@@ -1,4 +1,5 @@
-"""The device mesh `(data, fsdp, expert, tensor)`: sizes from config, -1 meaning "the rest"."""
+"""The device mesh `(data, fsdp, expert, context, tensor)`: sizes from config, -1 meaning "the
+rest". `context` splits the sequence of a language model's rows (common/parallel.py)."""
 
 import contextlib
 import math
@@ -8,19 +9,21 @@ import ml_collections
 
 from nnx_zoo.common.errors import UserError
 
-# tensor last: the innermost axis gets the nearest devices (its collectives run every layer).
-AXES = ("data", "fsdp", "expert", "tensor")
+# tensor last: the innermost axis gets the nearest devices (its collectives run every layer);
+# context next to it, for the same reason (its key/value gathers run every layer too).
+AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 
 def resolve(mesh_cfg, num_devices: int) -> dict[str, int]:
-  """{"data": d, "fsdp": f, "expert": e, "tensor": t} with d * f * e * t == num_devices, or a
-  UserError. An axis the config lacks (a config saved before it existed) has size 1."""
+  """{"data": d, "fsdp": f, "expert": e, "context": c, "tensor": t} whose product is
+  num_devices, or a UserError. An axis the config lacks (a config saved before it existed) has
+  size 1."""
   sizes = {axis: int(mesh_cfg.get(axis, 1)) for axis in AXES}
   free = [a for a, s in sizes.items() if s == -1]
   bad = [a for a, s in sizes.items() if s == 0 or s < -1]
   if bad or len(free) > 1:
     raise UserError(
-      f"mesh {sizes}: each of mesh.data, mesh.fsdp, mesh.expert, mesh.tensor is a positive "
+      f"mesh {sizes}: each of {', '.join('mesh.' + a for a in AXES)} is a positive "
       "size, and at most one may be -1 (the remaining devices)."
     )
   fixed = math.prod(s for s in sizes.values() if s != -1)

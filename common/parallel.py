@@ -1,4 +1,5 @@
-"""Data, FSDP and tensor parallelism under `jax.shard_map`, as seen by the shared layers.
+"""Data, FSDP, expert, context and tensor parallelism under `jax.shard_map`, as seen by the
+shared layers.
 
 Every parameter carries logical axis names (`axes=("D", "F")`, the legend in DESIGN.md). RULES
 map them to mesh axes: by default a model dim D is stored sharded over `fsdp`, and heads, MLP
@@ -11,7 +12,14 @@ never knows how it is sharded:
   with `model.scan` and a `model.remat` policy: unscanned, XLA:CPU schedules every gather at the
   start of the step and keeps the weights for the backward pass (bench/fsdp_gathers.py);
 - `reduce(y, in_axis)`: psum a row-parallel projection's partial output over `tensor`;
-- `vocab_offset()` / `psum_tensor`: vocab-parallel embedding lookup and cross-entropy.
+- `vocab_offset()` / `psum_tensor`: vocab-parallel embedding lookup and cross-entropy;
+- `context_split()`, `token_index`, `gather_context`: context parallelism. `mesh.context` splits
+  the sequence of a language model's rows: each device of a row's context group holds
+  T / context of its tokens (and so of every activation), in the balanced order of
+  `context_order` (two chunks a device, one from each end, so a causal mask gives every device
+  the same work); attention gathers the keys and values of the whole row over `context` and
+  masks by each token's index in the row (common/nn/attention.py). Weights are stored split over
+  `context` as over `fsdp` (a D dim), so the context devices do not hold copies of the state.
 
 Gradients of replicated parameters are summed over the batch axes by shard_map's own
 autodiff (varying-axis typing), which is why the step runs with `check_vma=True`.
@@ -39,15 +47,17 @@ from nnx_zoo.kernels import vma
 # scales, output biases) stay replicated on purpose: they are a few KB and every device needs
 # them whole.
 RULES = {
-  "D": ("fsdp", "expert"),
+  "D": ("fsdp", "expert", "context"),
   "F": "tensor",
   "NH": "tensor",
   "KH": "tensor",
   "V": "tensor",
   "E": "expert",  # an MoE layer's experts
 }
-# The batch is split over every axis but tensor (expert too: each device routes its own tokens).
+# The batch's rows are split over every axis but context and tensor (expert too: each device
+# routes its own tokens); the tokens of a language model's rows over context as well.
 BATCH_AXES = ("data", "fsdp", "expert")
+TOKEN_AXES = (*BATCH_AXES, "context")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +119,12 @@ class Layout:
   def batch_spec(self) -> P:
     return P(BATCH_AXES)
 
+  @property
+  def token_spec(self) -> P:
+    """[B, T] arrays of a language model's rows: rows over the batch axes, tokens over context
+    (in `context_order`)."""
+    return P(BATCH_AXES, "context")
+
 
 def make_layout(sizes: dict[str, int], devices=None) -> Layout:
   devices = np.asarray(devices if devices is not None else jax.devices())
@@ -117,12 +133,15 @@ def make_layout(sizes: dict[str, int], devices=None) -> Layout:
   return Layout(mesh, dict(RULES))
 
 
-def check_fits(model_cfg, sizes: dict[str, int], batch_size: int, micro_batches: int = 1):
-  """The errors a mesh can cause, named before anything compiles."""
+def check_fits(
+  model_cfg, sizes: dict[str, int], batch_size: int, micro_batches: int = 1, seq_len: int = 0
+):
+  """The errors a mesh can cause, named before anything compiles (`seq_len`: the rows' length
+  that `mesh.context` splits)."""
   if "attention" not in model_cfg:  # a model of several stacks (CLIP's towers): each one
     for sub in model_cfg.values():
       if hasattr(sub, "get") and "attention" in sub:
-        check_fits(sub, sizes, batch_size, micro_batches)
+        check_fits(sub, sizes, batch_size, micro_batches, seq_len)
     return
   t = sizes["tensor"]
   batch_shards = sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1) * micro_batches
@@ -147,6 +166,12 @@ def check_fits(model_cfg, sizes: dict[str, int], batch_size: int, micro_batches:
       f"train.batch_size={batch_size} is not divisible by data x fsdp x expert x "
       f"train.micro_batches = {batch_shards}"
     )
+  context = sizes.get("context", 1)
+  if context > 1 and (not seq_len or seq_len % (2 * context)):
+    problems.append(
+      f"data.seq_len={seq_len} does not split into 2 x context = {2 * context} equal chunks"
+      + ("" if seq_len else " (this data has no token rows to split: keep mesh.context=1)")
+    )
   if problems:
     raise UserError(
       f"The mesh {sizes} does not fit: "
@@ -167,6 +192,44 @@ def active(layout: Layout | None):
     yield
   finally:
     _ACTIVE.reset(token)
+
+
+def context_order(length: int, context: int) -> np.ndarray:
+  """The order a row's `length` tokens are laid out in over `context` devices: cut into
+  2 x context chunks, device c holds chunk c and chunk 2 x context - 1 - c, so under a causal
+  mask each device has as many (query, key) pairs to compute as any other. Identity for one."""
+  if context == 1:
+    return np.arange(length)
+  if length % (2 * context):
+    raise UserError(
+      f"A row of {length} tokens does not split into 2 x mesh.context = {2 * context} equal "
+      f"chunks: set data.seq_len to a multiple of {2 * context}, or another mesh.context."
+    )
+  chunks = np.arange(length).reshape(2 * context, -1)
+  return np.concatenate([np.concatenate([chunks[c], chunks[-1 - c]]) for c in range(context)])
+
+
+def context_split() -> bool:
+  """Whether the sharded step being traced splits the tokens of its rows over `context`."""
+  layout = _ACTIVE.get()
+  return layout is not None and layout.sizes.get("context", 1) > 1
+
+
+def token_index(local_length: int) -> jax.Array:
+  """The index in its row of each of this device's `local_length` tokens [local_length]: its
+  own slice of `context_order` (0..T-1 when the tokens are not split)."""
+  if not context_split():
+    return jnp.arange(local_length)
+  context = _ACTIVE.get().sizes["context"]
+  order = jnp.asarray(context_order(local_length * context, context).reshape(context, -1))
+  return order[jax.lax.axis_index("context")]
+
+
+def gather_context(x: jax.Array, axis: int = 1) -> jax.Array:
+  """The whole row of a token-split array (in `context_order`; a no-op when not split)."""
+  if not context_split():
+    return x
+  return jax.lax.all_gather(x, "context", axis=axis, tiled=True)
 
 
 def gather(w: jax.Array, axes) -> jax.Array:

@@ -16,6 +16,13 @@ apply, the layer runs "xla" and logs the reason once (see `choose_impl`).
 for (the mesh's devices, as `moe.impl="auto"`; a TPU slice's under `zoo plan`), by `resolve_auto`:
 GPU: "cudnn" where cuDNN's fused attention takes the call, else "flash" where the kernel passed
 on an H200, else "xla"; TPU: "flash" (splash); CPU: "xla". The choice is logged once.
+
+Under `mesh.context` (a row's tokens split over devices, common/parallel.py) a layer gathers the
+keys and values of the whole row over `context` and masks by each token's index in the row, so
+causal masks, windows, segments, GQA, soft-caps and biases are those of one device; the local
+queries run against them a block at a time, each block rematerialised in the backward pass, so
+no device holds more than a block's [N, block, T] scores (`attend_gathered`). The kernels are
+not used there (logged once).
 """
 
 import dataclasses
@@ -240,6 +247,48 @@ def attend_in_blocks(
       )
     )
   return jnp.concatenate(outs, axis=1)
+
+
+def attend_gathered(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  *,
+  q_idx_T: jax.Array,
+  k_idx_S: jax.Array,
+  q_seg_BT: jax.Array,
+  k_seg_BS: jax.Array,
+  causal: bool,
+  window: int,
+  bias_BNTS: jax.Array | None = None,
+  softcap: float = 0.0,
+  scale: float | None = None,
+) -> jax.Array:
+  """`attend` for queries at any indices `q_idx_T` of their row against keys at `k_idx_S` (this
+  device's tokens of a context-split row against the whole row): `make_mask` of the indices,
+  QUERY_BLOCK query rows at a time in a loop whose body is rematerialised in the backward pass,
+  so the [N, T, S] scores never exist whole, in the forward or the backward pass. Every key is
+  scored (the indices are traced: no block of keys can be skipped statically)."""
+  B, T, N, H = q_BTNH.shape
+  kw = dict(softcap=softcap, scale=scale)
+
+  def block(q_BtNH, q_idx_t, q_seg_Bt, bias_BNtS):
+    mask_BtS = make_mask(q_idx_t, k_idx_S, q_seg_Bt, k_seg_BS, causal=causal, window=window)
+    return attend(q_BtNH, k_BSKH, v_BSKH, mask_BTS=mask_BtS, bias_BNTS=bias_BNTS, **kw)
+
+  blocks = T // QUERY_BLOCK
+  if blocks < 2 or T % QUERY_BLOCK:
+    return block(q_BTNH, q_idx_T, q_seg_BT, bias_BNTS)
+
+  def split(x, axis):  # [..., T, ...] -> [blocks, ..., T / blocks, ...]
+    x = x.reshape(*x.shape[:axis], blocks, QUERY_BLOCK, *x.shape[axis + 1 :])
+    return jnp.moveaxis(x, axis, 0)
+
+  xs = (split(q_BTNH, 1), split(q_idx_T, 0), split(q_seg_BT, 1))
+  xs += (None if bias_BNTS is None else split(bias_BNTS, 2),)
+  body = jax.checkpoint(lambda args: block(*args), prevent_cse=False)
+  out_nBtNH = jax.lax.map(body, xs)
+  return jnp.moveaxis(out_nBtNH, 0, 1).reshape(B, T, N, H)
 
 
 def _log_once(impl: str, message: str, level: int = logging.WARNING):
@@ -492,7 +541,14 @@ class Attention(nnx.Module):
     segments_given = segment_ids_BT is not None
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones((B, T), jnp.int32)
-    if cache is None:
+    context = cache is None and parallel.context_split()
+    if context:  # this device's tokens of the row; the keys and values of the whole row
+      k_BSKH, v_BSKH = parallel.gather_context(k_BTKH), parallel.gather_context(v_BTKH)
+      q_idx_T = parallel.token_index(T)
+      k_idx_S = parallel.gather_context(q_idx_T, axis=0)
+      k_seg_BS = parallel.gather_context(segment_ids_BT)
+      k_pos_BS = parallel.gather_context(positions_BT)
+    elif cache is None:
       k_BSKH, v_BSKH = k_BTKH, v_BTKH
       q_idx_T = k_idx_S = jnp.arange(T)
       k_seg_BS, k_pos_BS = segment_ids_BT, positions_BT
@@ -514,7 +570,11 @@ class Attention(nnx.Module):
     if bias is not None:
       bias = parallel.local_heads(bias, axis=1)
     impl = self.impl
-    if impl == "auto":
+    if context:
+      if impl not in ("xla", "auto"):
+        _log_once(impl, "falls back to 'xla' under mesh.context (keys gathered over devices)")
+      impl = "context"
+    elif impl == "auto":
       impl, why = resolve_auto(
         platform=tpu_attention.target_platform(),
         dtype=q_BTNH.dtype,
@@ -528,7 +588,7 @@ class Attention(nnx.Module):
         device_kind=tpu_attention.target_device_kind(),
       )
       _log_once("auto", f"resolved to {impl!r}: {why}", logging.INFO)
-    impl = choose_impl(
+    impl = choose_impl(  # "context" passes through
       impl,
       bias=bias is not None,
       cache=cache is not None,
@@ -543,7 +603,22 @@ class Attention(nnx.Module):
       if reason is not None:
         _log_once(impl, f"falls back to 'xla': {reason}")
         impl = "xla"
-    if impl == "flash" and tpu_attention.target_platform() == "tpu":
+    if impl == "context":
+      out_BTNH = attend_gathered(
+        q_BTNH,
+        k_BSKH,
+        v_BSKH,
+        q_idx_T=q_idx_T,
+        k_idx_S=k_idx_S,
+        q_seg_BT=segment_ids_BT,
+        k_seg_BS=k_seg_BS,
+        causal=self.causal,
+        window=self.window,
+        bias_BNTS=bias,
+        softcap=self.softcap,
+        scale=self.scale,
+      )
+    elif impl == "flash" and tpu_attention.target_platform() == "tpu":
       out_BTNH = tpu_attention.attention(
         q_BTNH,
         k_BSKH,

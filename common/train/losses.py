@@ -23,6 +23,7 @@ from flax import nnx
 
 from nnx_zoo.common import parallel
 from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import position
 from nnx_zoo.common.nn.transformer import EncoderDecoder
 from nnx_zoo.common.train import contrastive, diffusion
 
@@ -107,7 +108,9 @@ def head_cross_entropy_sum(
   return total(params, x_MD)
 
 
-def decoder_sums(model, inputs_BT, segment_ids_BT, targets_BT, weights_BT, *, chunk: int):
+def decoder_sums(
+  model, inputs_BT, segment_ids_BT, targets_BT, weights_BT, *, chunk: int, positions_BT=None
+):
   """`loss_sums`'s summed loss with the head run `chunk` tokens at a time: the decoder's
   `hidden` states, then its output head (`output_head`, the same projection and soft-cap as
   its `logits`) chunk by chunk."""
@@ -117,7 +120,7 @@ def decoder_sums(model, inputs_BT, segment_ids_BT, targets_BT, weights_BT, *, ch
       "none): set --config.train.loss_chunk=0."
     )
   head, project = model.output_head()
-  x_BTD, _ = model.hidden(inputs_BT, segment_ids_BT=segment_ids_BT)
+  x_BTD, _ = model.hidden(inputs_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
   B, T, D = x_BTD.shape
   return head_cross_entropy_sum(
     head,
@@ -132,20 +135,36 @@ def decoder_sums(model, inputs_BT, segment_ids_BT, targets_BT, weights_BT, *, ch
 # The trainer's task losses: summed over the batch, with the count they are the mean over.
 
 
-def loss_sums(model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
-  """Summed next-token cross-entropy over a batch of packed rows, and the number of targets.
-
-  A target counts only when it continues the segment of its input (no predicting across a
-  document boundary) and is not padding.
-  """
+def next_token_rows(batch: dict) -> dict:
+  """A language model's view of packed rows {"tokens", "segment_ids"} [B, T + 1]: `inputs`,
+  `targets` (the next tokens), `segment_ids` and `positions` (each input's index in its own
+  document) and `weights` [B, T]. A target counts only when it continues the segment of its
+  input (no predicting across a document boundary) and is not padding. Computed from whole
+  rows, so the sharded step can then split every one of them over `mesh.context`."""
   tokens, segments = batch["tokens"], batch["segment_ids"]
-  inputs_BT, targets_BT = tokens[:, :-1], tokens[:, 1:]
   in_seg_BT = segments[:, :-1]
-  weights_BT = ((segments[:, 1:] == in_seg_BT) & (in_seg_BT != 0)).astype(jnp.float32)
+  return {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "segment_ids": in_seg_BT,
+    "positions": position.positions_from_segments(in_seg_BT),
+    "weights": ((segments[:, 1:] == in_seg_BT) & (in_seg_BT != 0)).astype(jnp.float32),
+  }
+
+
+def loss_sums(model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+  """Summed next-token cross-entropy over a batch of packed rows, and the number of targets:
+  over `next_token_rows(batch)`, or over `batch["next_token"]` when the sharded step made them
+  (and split them over `mesh.context`)."""
+  rows = batch["next_token"] if "next_token" in batch else next_token_rows(batch)
+  inputs_BT, targets_BT, weights_BT = rows["inputs"], rows["targets"], rows["weights"]
+  seg_BT, pos_BT = rows["segment_ids"], rows["positions"]
   if loss_chunk:  # train.loss_chunk: the [B, T, V] logits never held whole
-    total = decoder_sums(model, inputs_BT, in_seg_BT, targets_BT, weights_BT, chunk=loss_chunk)
+    total = decoder_sums(
+      model, inputs_BT, seg_BT, targets_BT, weights_BT, chunk=loss_chunk, positions_BT=pos_BT
+    )
     return total, jnp.sum(weights_BT)
-  logits_BTV = model(inputs_BT, segment_ids_BT=in_seg_BT)
+  logits_BTV = model(inputs_BT, positions_BT=pos_BT, segment_ids_BT=seg_BT)
   ce_BT = parallel.cross_entropy(logits_BTV, targets_BT)
   return jnp.sum(ce_BT * weights_BT), jnp.sum(weights_BT)
 
@@ -250,4 +269,4 @@ def task_sums(model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array, ja
     return seq2seq_sums(model, batch, loss_chunk=loss_chunk)
   if "labels" in batch:
     return classify_sums(model, batch)
-  return loss_sums(model, batch, loss_chunk=loss_chunk)
+  return loss_sums(model, batch, loss_chunk=loss_chunk)  # "tokens", or their "next_token" rows

@@ -14,6 +14,7 @@ import optax
 from flax import nnx
 
 from nnx_zoo.common import models, parallel
+from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import aux, lora
 from nnx_zoo.common.train import faults, losses
 
@@ -64,28 +65,51 @@ def sums_and_grads(
   return sums, grads
 
 
+def context_rows(batch: dict, layout: parallel.Layout) -> tuple[dict, dict]:
+  """The batch as the sharded step splits it, and the PartitionSpec of each array: a language
+  model's rows become their `next_token` rows (`losses.next_token_rows`, made from whole rows),
+  laid out in `parallel.context_order` and split over `context` as well as the batch axes;
+  any other batch is split over the batch axes only, and refuses `mesh.context` > 1."""
+  context = layout.sizes.get("context", 1)
+  if set(batch) != {"tokens", "segment_ids"}:
+    if context > 1:
+      kind = "the images, labels or source/target pairs of this task"
+      raise UserError(
+        f"mesh.context={context} splits the token rows of a language model (a decoder trained "
+        f"on next tokens); {kind} have none to split: set mesh.context=1."
+      )
+    return batch, jax.tree.map(lambda _: layout.batch_spec, batch)
+  rows = losses.next_token_rows(batch)
+  if context > 1:
+    order = parallel.context_order(rows["inputs"].shape[1], context)
+    rows = {k: v[:, order] for k, v in rows.items()}
+  return {"next_token": rows}, {"next_token": {k: layout.token_spec for k in rows}}
+
+
 def sharded_sums_and_grads(
   params, batch: dict, *, graphdef, layout: parallel.Layout, frozen=None, **kw
 ) -> tuple[dict, nnx.State]:
-  """`sums_and_grads` under shard_map: each device runs its batch shard with its parameter
-  shards; the shared layers gather and reduce (see common/parallel.py)."""
+  """`sums_and_grads` under shard_map: each device runs its batch shard (and, under
+  `mesh.context`, its share of every row's tokens: `context_rows`) with its parameter shards;
+  the shared layers gather and reduce (see common/parallel.py)."""
   specs = layout.param_specs(params)
   frozen = nnx.State({}) if frozen is None else frozen
+  batch, batch_specs = context_rows(batch, layout)
 
   def local(params, frozen, batch):
     with parallel.active(layout):
       sums, grads = sums_and_grads(params, batch, graphdef=graphdef, frozen=frozen, **kw)
     sums = {
-      "total": jax.lax.psum(sums["total"], parallel.BATCH_AXES),
-      "count": jax.lax.psum(sums["count"], parallel.BATCH_AXES),
-      "aux": jax.tree.map(lambda v: jax.lax.pmean(v, parallel.BATCH_AXES), sums["aux"]),
+      "total": jax.lax.psum(sums["total"], parallel.TOKEN_AXES),
+      "count": jax.lax.psum(sums["count"], parallel.TOKEN_AXES),
+      "aux": jax.tree.map(lambda v: jax.lax.pmean(v, parallel.TOKEN_AXES), sums["aux"]),
     }
     return sums, grads
 
   return jax.shard_map(
     local,
     mesh=layout.mesh,
-    in_specs=(specs, layout.param_specs(frozen), layout.batch_spec),
+    in_specs=(specs, layout.param_specs(frozen), batch_specs),
     out_specs=(parallel.P(), specs),
     check_vma=True,
   )(params, frozen, batch)

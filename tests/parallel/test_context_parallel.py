@@ -1,0 +1,108 @@
+"""Context parallelism (`mesh.context`) equals one device: losses, gradients and auxiliary
+losses of every decoder family on meshes mixing context with data, fsdp, expert and tensor
+(8 fake CPU devices, in subprocesses), scanned and rematerialised too; a run saved on one
+context size resumes on another; and what a context mesh refuses."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.multidevice, pytest.mark.slow]
+FAMILIES = ["llama", "gemma2", "gemma3", "gpt2", "qwen3-moe", "llama:scan"]
+
+
+def run(args: list[str], devices: int = 8) -> subprocess.CompletedProcess:
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  return subprocess.run(
+    [sys.executable, "-P", *args], cwd=ROOT, env=env, capture_output=True, text=True
+  )
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+  proc = run([str(ROOT / "tests" / "parallel" / "context_worker.py"), request.param])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return request.param, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_loss_aux_and_gradients_equal_single_device(family):
+  name, results = family
+  ref = results.pop("single")
+  assert len(results) >= 3
+  for mesh, got in results.items():
+    assert got["count"] == ref["count"], mesh
+    assert got["total"] == pytest.approx(ref["total"], rel=1e-5), mesh
+    assert got["aux"].keys() == ref["aux"].keys(), mesh
+    for k, v in ref["aux"].items():
+      assert got["aux"][k] == pytest.approx(v, rel=1e-5), (mesh, k)
+    assert got["grads"].keys() == ref["grads"].keys()
+    # Relative to each gradient, or to a thousandth of the largest where a gradient is zero but
+    # for rounding (a key bias: softmax ignores a constant added to all of a query's logits).
+    largest = max(np.max(np.abs(np.asarray(g))) for g in ref["grads"].values())
+    for p, g in ref["grads"].items():
+      g, h = np.asarray(g), np.asarray(got["grads"][p])
+      scale = max(np.max(np.abs(g)), 1e-3 * largest)
+      assert np.max(np.abs(h - g)) / scale < 2e-5, (name, mesh, p)
+  if name == "qwen3-moe":
+    assert ref["aux"], "the MoE model adds its load-balancing loss"
+
+
+def zoo_run(workdir, *, context: int, fsdp: int, steps: int, devices: int = 8):
+  args = ["-m", "nnx_zoo.common.cli", "run", "lm/shakespeare-char:smoke", "--workdir", str(workdir)]
+  args += [f"--config.mesh.context={context}", f"--config.mesh.fsdp={fsdp}"]
+  args += ["--config.mesh.data=1", "--config.mesh.tensor=1", f"--config.train.steps={steps}"]
+  args += ["--config.train.batch_size=8", "--config.train.log_every=1", "--quiet"]
+  args += ["--config.optim.schedule=constant", "--config.optim.warmup_steps=2"]
+  args += ["--config.train.eval_every=0"]
+  proc = run(args, devices=devices)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def losses(workdir) -> dict[int, float]:
+  lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return {x["step"]: x["loss"] for x in lines if "split" not in x}
+
+
+def test_saved_on_one_context_size_resumes_on_another(tmp_path):
+  """6 steps on (fsdp 2, context 4) straight; 3 steps on (fsdp 2, context 4), resumed on
+  (fsdp 1, context 8) and on one device for steps 4-6: the same losses."""
+  straight = tmp_path / "straight"
+  zoo_run(straight, context=4, fsdp=2, steps=6)
+  saved = tmp_path / "saved"
+  zoo_run(saved, context=4, fsdp=2, steps=3)
+  for name, context, fsdp, devices in [("context8", 8, 1, 8), ("one", 1, 1, 1)]:
+    workdir = tmp_path / name
+    shutil.copytree(saved, workdir)
+    zoo_run(workdir, context=context, fsdp=fsdp, steps=6, devices=devices)
+    got, want = losses(workdir), losses(straight)
+    for step in (4, 5, 6):
+      assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
+
+
+@pytest.mark.parametrize(
+  "exp,args,message",
+  [
+    (
+      "vision/vit-digits:smoke",
+      ["--config.mesh.context=2", "--config.mesh.data=4"],
+      "keep mesh.context=1",
+    ),
+    (
+      "lm/shakespeare-char:smoke",
+      ["--config.mesh.context=8", "--config.data.seq_len=40"],
+      "data.seq_len=40 does not split into 2 x context = 16 equal chunks",
+    ),
+  ],
+)
+def test_a_context_mesh_that_does_not_fit_is_refused_before_compiling(tmp_path, exp, args, message):
+  proc = run(["-m", "nnx_zoo.common.cli", "run", exp, "--workdir", str(tmp_path / "x"), *args])
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert message in proc.stderr
+  assert "Traceback" not in proc.stderr
