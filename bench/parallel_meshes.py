@@ -1,12 +1,15 @@
 """Step time and per-device memory of one experiment on each mesh, side by side in one run.
 
     python bench/parallel_meshes.py [EXP] [--steps N]
+    python bench/parallel_meshes.py --context [--seq-len 2048]
 
-Runs on 8 fake CPU devices (it sets XLA_FLAGS itself). Prints, per mesh (data, fsdp, tensor):
-the median train-step time relative to the same step on 1 device, the bytes of params +
-optimizer state one device holds, and XLA's temp (activation) bytes per device. On fake CPU
-devices the times show the cost of the collectives, not a speed-up: all 8 "devices" share the
-same cores.
+Runs on 8 fake CPU devices (it sets XLA_FLAGS itself). Prints, per mesh (data, fsdp, expert,
+context, tensor): the median train-step time relative to the same step on the first mesh, the
+bytes of params + optimizer state one device holds, and XLA's temp (activation) bytes per
+device. On fake CPU devices the times show the cost of the collectives, not a speed-up: all 8
+"devices" share the same cores. `--context`: two rows of `--seq-len` tokens, one a device on
+`data=2`, then each row's tokens split 2, 4 ways over `context` (and fsdp beside it): the
+activations a device holds, side by side with context = 1.
 """
 
 import argparse
@@ -19,21 +22,30 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from nnx_zoo.common import experiments, parallel  # noqa: E402
-from nnx_zoo.common.train import optim
+from nnx_zoo.common import experiments, mesh, parallel  # noqa: E402
+from nnx_zoo.common.train import optim  # noqa: E402
+from nnx_zoo.common.train import step as steps  # noqa: E402
 
-MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2), (1, 1, 2)]
+# (data, fsdp, expert, context, tensor)
+MESHES = [
+  (1, 1, 1, 1, 1),
+  (8, 1, 1, 1, 1),
+  (1, 8, 1, 1, 1),
+  (2, 2, 1, 1, 2),
+  (1, 4, 1, 1, 2),
+  (1, 1, 1, 1, 2),
+  (1, 2, 1, 4, 1),
+]
+CONTEXT_MESHES = [(2, 1, 1, 1, 1), (2, 1, 1, 2, 1), (2, 1, 1, 4, 1), (1, 2, 1, 4, 1)]
 
 
-def measure(cfg, sizes, steps):
+def measure(cfg, sizes, rounds):
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
   graphdef, state = steps.init_state(cfg, tx)
   n = int(np.prod(sizes))
   layout = None
   if n > 1:
-    layout = parallel.make_layout(
-      dict(zip(("data", "fsdp", "tensor"), sizes, strict=True)), jax.devices()[:n]
-    )
+    layout = parallel.make_layout(dict(zip(mesh.AXES, sizes, strict=True)), jax.devices()[:n])
   _, shardings = steps.placed_abstract_state(cfg, tx, layout)
   state = jax.device_put(state, shardings)
   rng = np.random.default_rng(0)
@@ -53,7 +65,7 @@ def measure(cfg, sizes, steps):
   state, m = step(state, batch)
   jax.block_until_ready(m)
   times = []
-  for _ in range(steps):
+  for _ in range(rounds):
     t = time.perf_counter()
     state, m = step(state, batch)
     jax.block_until_ready(m)
@@ -67,21 +79,29 @@ def main():
   p.add_argument("exp", nargs="?", default="lm/llama3-8b:smoke")
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--batch-size", type=int, default=16)
+  p.add_argument("--context", action="store_true", help="long rows split over mesh.context")
+  p.add_argument("--seq-len", type=int, default=2048, help="the rows' length with --context")
   args = p.parse_args()
-  cfg = experiments.get_config(args.exp, {"train.batch_size": str(args.batch_size)})
+  overrides = {"train.batch_size": "2" if args.context else str(args.batch_size)}
+  if args.context:
+    overrides.update({"data.seq_len": str(args.seq_len), "model.remat": "full"})
+  cfg = experiments.get_config(args.exp, overrides)
   if cfg.model.attention.num_kv_heads % 2:
     cfg.model.attention.num_kv_heads = 2  # so tensor=2 fits (the smoke GQA ratio is 4:1)
-  print(f"{args.exp}, batch {args.batch_size} x {cfg.data.seq_len}, median of {args.steps} steps")
   print(
-    f"{'mesh (d,f,t)':>14} {'step ms':>8} {'vs 1 dev':>8} {'state KB/dev':>13} {'temp KB/dev':>12}"
+    f"{args.exp}, batch {cfg.train.batch_size} x {cfg.data.seq_len}, median of {args.steps} steps"
+  )
+  print(
+    f"{'mesh (d,f,e,c,t)':>18} {'step ms':>8} {'vs first':>8} {'state KB/dev':>13} "
+    f"{'temp MB/dev':>12}"
   )
   base = None
-  for sizes in MESHES:
+  for sizes in CONTEXT_MESHES if args.context else MESHES:
     t, state_bytes, temp = measure(cfg, sizes, args.steps)
     base = base or t
     print(
-      f"{str(sizes):>14} {t * 1e3:8.1f} {t / base:8.2f} {state_bytes / 1024:13.1f} "
-      f"{temp / 1024:12.1f}"
+      f"{str(sizes):>18} {t * 1e3:8.1f} {t / base:8.2f} {state_bytes / 1024:13.1f} "
+      f"{temp / 2**20:12.2f}"
     )
 
 

@@ -225,6 +225,19 @@ def token_index(local_length: int) -> jax.Array:
   return order[jax.lax.axis_index("context")]
 
 
+def context_size() -> int:
+  layout = _ACTIVE.get()
+  return 1 if layout is None else layout.sizes.get("context", 1)
+
+
+def ring_shift(tree):
+  """Each device's arrays to the next device of its context ring (the last to the first)."""
+  n = context_size()
+  return jax.tree.map(
+    lambda x: jax.lax.ppermute(x, "context", [(i, (i + 1) % n) for i in range(n)]), tree
+  )
+
+
 def gather_context(x: jax.Array, axis: int = 1) -> jax.Array:
   """The whole row of a token-split array (in `context_order`; a no-op when not split)."""
   if not context_split():

@@ -455,6 +455,16 @@ def fixes(cfg, sizes: dict[str, int]) -> list[str]:
     out.append(
       f"--config.train.micro_batches={micro * 2} (fewer rows' activations alive at a time)"
     )
+  # Long token rows: each row's tokens over twice as many context devices, taken from fsdp (the
+  # state stays as split: weights are stored over context too); a device group then has twice
+  # the rows, run in twice the micro-batches, so a device holds half a row's activations.
+  context, seq = sizes.get("context", 1), cfg.data.get("seq_len", 0)
+  if sizes["fsdp"] % 2 == 0 and seq and seq % (4 * context) == 0 and seq // context >= 4096:
+    out.append(
+      f"--config.mesh.context={2 * context} --config.mesh.fsdp={sizes['fsdp'] // 2} "
+      f"--config.train.micro_batches={micro * 2} (each row's tokens over {2 * context} "
+      "devices: half the activations a device holds)"
+    )
   out.append("a larger topology (more chips: more HBM in all)")
   return out
 

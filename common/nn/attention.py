@@ -21,8 +21,12 @@ Under `mesh.context` (a row's tokens split over devices, common/parallel.py) a l
 keys and values of the whole row over `context` and masks by each token's index in the row, so
 causal masks, windows, segments, GQA, soft-caps and biases are those of one device; the local
 queries run against them a block at a time, each block rematerialised in the backward pass, so
-no device holds more than a block's [N, block, T] scores (`attend_gathered`). The kernels are
-not used there (logged once).
+no device holds more than a block's [N, block, T] scores (`attend_gathered`). With
+`context_impl="ring"` the row's keys and values are not gathered: each device's block of them
+travels round the ring of `context` devices (`jax.lax.ppermute`), one step per device, and each
+step's scores are folded into a running softmax (`attend_ring`), so a device holds 1 / context of
+the keys and values at a time and XLA may overlap a step's transfer with its compute. The
+kernels are not used under `mesh.context` (logged once).
 """
 
 import dataclasses
@@ -43,6 +47,7 @@ from nnx_zoo.kernels import flash_attention, tpu_attention
 
 MASKS = ("causal", "bidirectional")
 IMPLS = ("auto", "xla", "flash", "cudnn")
+CONTEXT_IMPLS = ("gather", "ring")
 
 # cuDNN's fused attention (jax's checks, jax._src.cudnn.fused_attention_stablehlo): bf16/fp16, a
 # head dim that is a multiple of 8 and at most 128, or 256 from Hopper on (told by the device
@@ -71,13 +76,15 @@ def config(
   softcap: float = 0.0,
   scale: float = 0.0,
   impl: str = "auto",
+  context_impl: str = "gather",
 ) -> ml_collections.ConfigDict:
   """An attention sub-config. window=0: no sliding window; softcap=0: no soft-cap;
   qk_norm: "none", "rms" or "layer" (normalises each head's q and k, as Qwen3 and Gemma 3, with
   the model's norm settings); key_bias=False drops k's bias when qkv_bias (Whisper: a bias on
   the keys adds the same q.b to all of a query's logits, which softmax ignores); scale: the
   logits' factor, 0 meaning head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5; T5: 1);
-  impl: see the module docstring ("auto": chosen for the platform compiled for)."""
+  impl: see the module docstring ("auto": chosen for the platform compiled for); context_impl:
+  how a layer attends across `mesh.context` ("gather" or "ring", see the module docstring)."""
   return ml_collections.ConfigDict(
     {
       "num_heads": num_heads,
@@ -92,6 +99,7 @@ def config(
       "softcap": softcap,
       "scale": scale,
       "impl": impl,
+      "context_impl": context_impl,
     }
   )
 
@@ -291,6 +299,64 @@ def attend_gathered(
   return jnp.moveaxis(out_nBtNH, 0, 1).reshape(B, T, N, H)
 
 
+def attend_ring(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  *,
+  q_idx_T: jax.Array,
+  q_seg_BT: jax.Array,
+  k_seg_BS: jax.Array,
+  causal: bool,
+  window: int,
+  softcap: float = 0.0,
+  scale: float | None = None,
+) -> jax.Array:
+  """`attend_gathered` without gathering: this device's queries against each device's keys and
+  values in turn, passed round the ring of `mesh.context` devices, each block's scores folded
+  into a running softmax (its max, its sum and the weighted values, as flash attention does
+  with blocks of one device's keys). Inside a sharded step only (`parallel.context_split()`);
+  every step is rematerialised in the backward pass, which runs the ring the other way."""
+  B, T, N, H = q_BTNH.shape
+  K = k_BSKH.shape[2]
+  scale = H**-0.5 if scale is None else scale
+  q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+  steps = parallel.context_size()
+
+  def fold(carry, visiting):
+    m_BKGT, l_BKGT, o_BTKGH = carry
+    k_BSKH, v_BSKH, k_idx_S, k_seg_BS = visiting
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    logits = soft_cap(logits * scale, softcap)
+    mask = make_mask(q_idx_T, k_idx_S, q_seg_BT, k_seg_BS, causal=causal, window=window)
+    mask = mask[:, None, None]
+    top = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1)
+    m_new = jax.lax.stop_gradient(jnp.maximum(m_BKGT, top))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row no key has reached yet
+    p = jnp.where(mask, jnp.exp(jnp.where(mask, logits, m_safe[..., None]) - m_safe[..., None]), 0)
+    rescale = jnp.where(jnp.isfinite(m_BKGT), jnp.exp(m_BKGT - m_safe), 0.0)
+    l_BKGT = l_BKGT * rescale + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v_BSKH.dtype), v_BSKH)
+    o_BTKGH = o_BTKGH * jnp.moveaxis(rescale, -1, 1)[..., None] + pv.astype(jnp.float32)
+    return m_new, l_BKGT, o_BTKGH
+
+  fold = jax.checkpoint(fold, prevent_cse=False)
+  stats = (B, K, N // K, T)
+  carry = (jnp.full(stats, -jnp.inf), jnp.zeros(stats), jnp.zeros((B, T, K, N // K, H)))
+  # The running sums vary over the mesh axes the queries and keys do (shard_map's typing).
+  axes = parallel.varying(q_BTNH, k_BSKH, v_BSKH)
+  carry = jax.tree.map(lambda x: parallel.to_varying(x, axes), carry)
+  visiting = (k_BSKH, v_BSKH, parallel.token_index(T), k_seg_BS)
+  for step in range(steps):
+    carry = fold(carry, visiting)
+    if step + 1 < steps:
+      visiting = parallel.ring_shift(visiting)
+  _, l_BKGT, o_BTKGH = carry
+  l_BTKG = jnp.moveaxis(l_BKGT, -1, 1)
+  out = o_BTKGH / jnp.where(l_BTKG > 0, l_BTKG, 1.0)[..., None]
+  return out.reshape(B, T, N, H).astype(q_BTNH.dtype)
+
+
 def _log_once(impl: str, message: str, level: int = logging.WARNING):
   if (impl, message) not in _logged:
     _logged.add((impl, message))
@@ -448,6 +514,11 @@ class Attention(nnx.Module):
       raise UserError(f"Unknown attention mask {cfg.mask!r}: use one of {MASKS}.")
     if cfg.impl not in IMPLS:  # "auto" is resolved when traced: the platform may differ
       raise UserError(f"Unknown attention impl {cfg.impl!r}: use one of {IMPLS}.")
+    self.context_impl = cfg.get("context_impl", "gather")  # absent in configs saved before it
+    if self.context_impl not in CONTEXT_IMPLS:
+      raise UserError(
+        f"Unknown attention context_impl {self.context_impl!r}: use one of {CONTEXT_IMPLS}."
+      )
     if cfg.num_heads % cfg.num_kv_heads:
       raise UserError(
         f"num_heads={cfg.num_heads} is not a multiple of num_kv_heads={cfg.num_kv_heads}: "
@@ -603,7 +674,22 @@ class Attention(nnx.Module):
       if reason is not None:
         _log_once(impl, f"falls back to 'xla': {reason}")
         impl = "xla"
-    if impl == "context":
+    if impl == "context" and self.context_impl == "ring" and bias is None:
+      out_BTNH = attend_ring(
+        q_BTNH,
+        k_BTKH.astype(q_BTNH.dtype),
+        v_BTKH.astype(q_BTNH.dtype),
+        q_idx_T=q_idx_T,
+        q_seg_BT=segment_ids_BT,
+        k_seg_BS=segment_ids_BT,
+        causal=self.causal,
+        window=self.window,
+        softcap=self.softcap,
+        scale=self.scale,
+      )
+    elif impl == "context":
+      if self.context_impl == "ring":
+        _log_once("ring", "gathers the keys instead: a logit bias (ALiBi) is not passed round")
       out_BTNH = attend_gathered(
         q_BTNH,
         k_BSKH,

@@ -63,8 +63,10 @@ def batch_of(cfg) -> dict:
   return {"tokens": tokens, "segment_ids": segments}
 
 
-def run(family: str, scan: bool) -> dict:
+def run(family: str, *, scan: bool, ring: bool) -> dict:
   cfg = config(family, scan=scan)
+  if ring:  # every layer kind's attention: the kinds' overrides are merged into it
+    cfg.model.attention.context_impl = "ring"
   model = models.build(cfg.model, seed=cfg.seed)
   graphdef, params = nnx.split(model, nnx.Param)
   batch = batch_of(cfg)
@@ -90,13 +92,19 @@ def run(family: str, scan: bool) -> dict:
         p, b, graphdef=graphdef, layout=layout
       )
     )
-    out[str(sizes)] = result(*fn(placed, steps.put_batch(batch, layout)))
+    placed_batch = steps.put_batch(batch, layout)
+    out[str(sizes)] = result(*fn(placed, placed_batch))
+    # How the layers attend across devices: the collectives in the lowered step.
+    text = fn.lower(placed, placed_batch).as_text()
+    out[str(sizes)]["collectives"] = {
+      op: text.count(op) for op in ("collective_permute", "all_gather")
+    }
   return out
 
 
 def main(which: str):
-  family, _, scan = which.partition(":")
-  print(json.dumps(run(family, scan == "scan")))
+  family, _, how = which.partition(":")
+  print(json.dumps(run(family, scan=how == "scan", ring=how == "ring")))
 
 
 if __name__ == "__main__":

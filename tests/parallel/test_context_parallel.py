@@ -15,7 +15,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multidevice, pytest.mark.slow]
-FAMILIES = ["llama", "gemma2", "gemma3", "gpt2", "qwen3-moe", "llama:scan"]
+FAMILIES = ["llama", "gemma2", "gemma3", "gpt2", "qwen3-moe", "llama:scan", "gemma2:ring"]
 
 
 def run(args: list[str], devices: int = 8) -> subprocess.CompletedProcess:
@@ -33,6 +33,7 @@ def family(request):
 
 
 def test_loss_aux_and_gradients_equal_single_device(family):
+  """Ring: Gemma 2's sliding windows, soft-caps and GQA with the keys passed round."""
   name, results = family
   ref = results.pop("single")
   assert len(results) >= 3
@@ -52,6 +53,9 @@ def test_loss_aux_and_gradients_equal_single_device(family):
       assert np.max(np.abs(h - g)) / scale < 2e-5, (name, mesh, p)
   if name == "qwen3-moe":
     assert ref["aux"], "the MoE model adds its load-balancing loss"
+  # The ring passes keys round with ppermute; the gathered form has none.
+  permutes = results["(1, 1, 1, 8, 1)"]["collectives"]["collective_permute"]
+  assert (permutes > 0) == name.endswith(":ring"), permutes
 
 
 def zoo_run(workdir, *, context: int, fsdp: int, steps: int, devices: int = 8):
