@@ -35,12 +35,19 @@ def test_resolve(sizes, devices, want):
   ],
 )
 def test_resolve_with_an_expert_axis(sizes, devices, want):
-  got = mesh.resolve(mesh.config(**dict(zip(mesh.AXES, sizes, strict=True))), devices)
-  assert tuple(got[a] for a in mesh.AXES) == want
+  axes = ("data", "fsdp", "expert", "tensor")
+  got = mesh.resolve(mesh.config(**dict(zip(axes, sizes, strict=True))), devices)
+  assert tuple(got[a] for a in axes) == want and got["context"] == 1
 
 
 def test_mesh_config_has_every_axis_and_refuses_others():
-  assert dict(mesh.config(fsdp=-1)) == {"data": 1, "fsdp": -1, "expert": 1, "tensor": 1}
+  assert dict(mesh.config(fsdp=-1)) == {
+    "data": 1,
+    "fsdp": -1,
+    "expert": 1,
+    "context": 1,
+    "tensor": 1,
+  }
   with pytest.raises(UserError, match="no axis 'pipeline'"):
     mesh.config(pipeline=2)
 

@@ -85,14 +85,22 @@ def test_fixes_name_the_levers_not_yet_pulled():
       "train.loss_chunk": "2048",
     },
   )
-  fixes = " ".join(plan.fixes(cfg, mesh.resolve(cfg.mesh, 64)))  # 8 rows a device, 8 slices
-  assert "mesh.fsdp" not in fixes and "remat" not in fixes and "micro_batches" not in fixes
-  assert "loss_chunk" not in fixes
-  assert "larger topology" in fixes
+  fixes = plan.fixes(cfg, mesh.resolve(cfg.mesh, 64))  # 8 rows a device, 8 slices
+  # The last lever before more chips: each row's 8,192 tokens over 2 devices, half the fsdp.
+  assert fixes[0].startswith(
+    "--config.mesh.context=2 --config.mesh.fsdp=32 --config.train.micro_batches=16"
+  )
+  rest = " ".join(fixes[1:])
+  assert "mesh.fsdp" not in rest and "remat" not in rest and "micro_batches" not in rest
+  assert "loss_chunk" not in rest
+  assert "larger topology" in rest
+  # Rows too short to be worth splitting (the smoke form's 32 tokens): no context lever.
+  cfg = experiments.get_config("lm/llama3-8b:smoke", {"mesh.fsdp": "-1"})
+  assert "mesh.context" not in " ".join(plan.fixes(cfg, mesh.resolve(cfg.mesh, 4)))
   # Every chip already holds its own share (fsdp x tensor x expert): no fsdp lever to name.
   for split in ({"mesh.fsdp": "16", "mesh.tensor": "4"}, {"mesh.fsdp": "8", "mesh.expert": "8"}):
     cfg = experiments.get_config("lm/mixtral-8x7b", split)
-    assert "mesh.fsdp" not in " ".join(plan.fixes(cfg, mesh.resolve(cfg.mesh, 64)))
+    assert "--config.mesh.data=1" not in " ".join(plan.fixes(cfg, mesh.resolve(cfg.mesh, 64)))
 
 
 def test_model_flops_is_6_params_tokens_plus_attention():
