@@ -61,6 +61,7 @@ def get_config(arg=None):
     # (fsdp; weights are stored over context too): a chip holds 16,384 tokens of a row.
     c.data.seq_len = 131_072
     c.train.batch_size = 64
+    c.train.loss_chunk = 4096  # no [tokens, vocab] logits: 16,384 x 128,256 would be 8 GiB
     c.mesh_rules = [
         ("cpu*", {"mesh.fsdp": -1}),
         ("tpu-v5x64", {
