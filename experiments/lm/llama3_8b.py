@@ -18,6 +18,8 @@ from nnx_zoo.common.data import pipeline, tokenizers
 from nnx_zoo.common.train import settings
 from nnx_zoo.zoo.llama import model as llama
 
+ARGS = ("smoke", "long")
+
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()

@@ -40,10 +40,16 @@ def natural_attention(q, k, v, seg, *, causal, window, softcap):
 
 
 @pytest.mark.parametrize(
-  "causal,window,softcap", [(True, 0, 0.0), (True, 24, 0.0), (False, 0, 20.0), (False, 40, 0.0)]
+  "T,C,causal,window,softcap",
+  [
+    (64, 4, True, 0, 0.0),
+    (64, 4, True, 24, 0.0),
+    (64, 4, False, 0, 20.0),
+    (64, 4, False, 40, 0.0),
+    (512, 2, True, 24, 0.0),  # 256 queries on the device: the blocks' rematerialised loop runs
+  ],
 )
-@pytest.mark.parametrize("T,C", [(64, 4), (512, 2)])  # 256 local queries: the blocks' loop runs
-def test_a_device_attending_to_the_whole_row_equals_the_row_in_order(causal, window, softcap, T, C):
+def test_a_device_attending_to_the_whole_row_equals_the_row_in_order(T, C, causal, window, softcap):
   """Device 1 of C holds the tokens `context_order` gives it and the gathered keys of the row
   (in that order too): its outputs and their gradients are the rows of the natural-order
   attention at those indices (GQA: 4 query heads on 2 key/value heads; two documents a row)."""
