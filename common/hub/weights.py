@@ -35,6 +35,12 @@ def is_zoo_checkpoint(path: str) -> bool:
   return os.path.isdir(checkpoint.directory(path))
 
 
+def params_key(meta: dict) -> str:
+  """Which weights of a checkpoint are the model's: "ema", the moving average of a run with
+  train.ema > 0 (its meta says so), else "params"."""
+  return "ema" if meta.get("weights") == "ema" else "params"
+
+
 def read_zoo(path: str) -> tuple[ml_collections.ConfigDict, nnx.State, dict]:
   """The model config, params and `meta` of the latest checkpoint of a zoo run or conversion
   (a LoRA run's adapters merged into the base weights)."""
@@ -43,7 +49,8 @@ def read_zoo(path: str) -> tuple[ml_collections.ConfigDict, nnx.State, dict]:
     meta = ckpts.meta(step)
     cfg = ml_collections.ConfigDict(models.upgrade(meta["model"]))
     abstract = nnx.state(models.abstract(cfg), nnx.Param)
-    params = ckpts.restore_latest({"params": abstract})["params"]  # the newest undamaged step
+    key = params_key(meta)
+    params = ckpts.restore_latest({key: abstract})[key]  # the newest undamaged step
   finally:
     ckpts.close()
   if cfg.get("lora") is not None and cfg.lora.rank:
@@ -87,28 +94,31 @@ def load(path: str) -> nnx.Module:
 
 def restore_params(cfg, workdir: str) -> tuple[nnx.GraphDef, nnx.State, int]:
   """The model of experiment config `cfg` with the params of the latest checkpoint in
-  `workdir` (what `zoo eval` and `zoo generate` read), and its step. A model config saved
-  before the shared layers' configs changed (a workdir's config.json) is read as today's."""
+  `workdir` (what `zoo eval` and `zoo generate` read; a train.ema run's average), and its
+  step. A model config saved before the shared layers' configs changed (a workdir's config.json)
+  is read as today's."""
   model_cfg = models.upgrade(cfg.model.to_dict())
   abstract = models.abstract(model_cfg)
   graphdef = nnx.graphdef(abstract)
   ckpts, step = checkpoint.open_latest(workdir)
   try:
     # A checkpoint of another model fails deep in orbax: say which keys differ instead.
-    saved = ml_collections.ConfigDict({"model": models.upgrade(ckpts.meta(step)["model"])})
+    meta = ckpts.meta(step)
+    saved = ml_collections.ConfigDict({"model": models.upgrade(meta["model"])})
     changed = config_lib.differences(saved, {"model": model_cfg.to_dict()}, ignore=memory.LEVERS)
     if changed:
       raise UserError(
         f"{workdir} holds a checkpoint of a different model ({'; '.join(changed)}): give the "
         "experiment (and --config overrides) that trained it."
       )
-    # Params and step only (whatever optimizer trained it, or none: `zoo convert`), from the
-    # newest undamaged step.
-    wanted = {"params": nnx.state(abstract, nnx.Param), "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    # Params (the moving average where the run kept one) and step only (whatever optimizer
+    # trained it, or none: `zoo convert`), from the newest undamaged step.
+    key = params_key(meta)
+    wanted = {key: nnx.state(abstract, nnx.Param), "step": jax.ShapeDtypeStruct((), jnp.int32)}
     state = ckpts.restore_latest(wanted)
   finally:
     ckpts.close()
-  return graphdef, state["params"], int(state["step"])
+  return graphdef, state[key], int(state["step"])
 
 
 def init_params(cfg, params: nnx.State) -> nnx.State:

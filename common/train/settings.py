@@ -16,6 +16,10 @@ TRAIN = {
   "nonfinite": "skip",  # a NaN/inf loss or gradient: skip that update and count it, or "stop"
   "micro_batches": 1,  # gradient accumulation: the batch run in this many slices
   "loss_chunk": 0,  # > 0: the output head and loss run this many tokens at a time
+  # > 0: keep an exponential moving average of the weights with this decay (e.g. 0.999), capped
+  # early by (1 + step) / (10 + step); it is what is evaluated, checkpointed beside the params
+  # and read by zoo eval, generate, export and init_from. 0: none.
+  "ema": 0.0,
 }
 OPTIM = {
   "lr": 3e-4,

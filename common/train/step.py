@@ -1,7 +1,8 @@
 """The pure step functions at the centre of the trainer, and the train state they work on.
 
 `train_step(state, batch) -> (state, metrics)`: the task loss's gradient (under `jax.shard_map`
-when there is a mesh), the fused AdamW update, the non-finite guard. `eval_step` sums a held-out
+when there is a mesh), the fused AdamW update, the non-finite guard, the weights' moving average
+(`train.ema`). `eval_step` sums a held-out
 batch's loss. `make_train_step` is the one jitted step `zoo run` runs (and `zoo plan` compiles).
 """
 
@@ -26,6 +27,24 @@ class TrainState:
   params: nnx.State
   opt_state: optax.OptState
   rng: jax.Array  # raw key data (uint32), so orbax saves it as a plain array
+  # train.ema > 0: the exponential moving average of params (`ema_update`), the weights that are
+  # evaluated and that `zoo eval`, `generate`, `export` and `init_from` read; None: no average.
+  ema: nnx.State | None = None
+
+
+def ema_decay(decay: float, step) -> jax.Array:
+  """The decay of the average's update at `step` (1 for the first update): `decay`, capped by
+  (1 + step) / (10 + step) (tf.train.ExponentialMovingAverage's num_updates), so the early
+  average does not lean for thousands of steps on the initial weights."""
+  step = jnp.asarray(step, jnp.float32)
+  return jnp.minimum(decay, (1 + step) / (10 + step))
+
+
+def ema_update(ema, params, *, decay: float, step):
+  """ema + (1 - d) * (params - ema), d = `ema_decay(decay, step)`; written as an increment so
+  that a parameter that does not change (a frozen one) stays bitwise equal to its average."""
+  d = ema_decay(decay, step)
+  return jax.tree.map(lambda e, p: e + ((1 - d) * (p - e)).astype(e.dtype), ema, params)
 
 
 def sums_and_grads(
@@ -125,6 +144,7 @@ def train_step(
   micro_batches: int = 1,
   trainable=nnx.Param,
   loss_chunk: int = 0,
+  ema: float = 0.0,
 ) -> tuple[TrainState, dict]:
   # Only the trained part is differentiated and updated (all of it, unless LoRA freezes some).
   trained, frozen = nnx.split_state(state.params, trainable, ...)
@@ -144,10 +164,14 @@ def train_step(
     grads, state.opt_state, trained, grad_scale=1 / count, grad_norm=grad_norm, apply=ok
   )
   params = nnx.merge_state(optax.apply_updates(trained, updates), frozen)
+  average = state.ema
+  if average is not None:  # a skipped step leaves the average as it was, like the params
+    new = ema_update(average, params, decay=ema, step=state.step + 1)
+    average = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, average)
   skipped = jnp.logical_not(ok).astype(jnp.int32)
   metrics = {"loss": loss, "grad_norm": grad_norm, "targets": count, "skipped": skipped}
   metrics.update(sums["aux"])
-  return TrainState(state.step + 1, params, opt_state, state.rng), metrics
+  return TrainState(state.step + 1, params, opt_state, state.rng, average), metrics
 
 
 def eval_step(params, batch: dict, *, graphdef, prompts=None) -> dict:
@@ -185,7 +209,8 @@ def init_state(cfg, tx) -> tuple[nnx.GraphDef, TrainState]:
   graphdef, params = nnx.split(model, nnx.Param)
   rng = jax.random.key_data(jax.random.key(cfg.seed + 1))
   trained = nnx.state(model, lora.trainable(cfg.model))  # the optimizer holds state for these
-  return graphdef, TrainState(jnp.zeros((), jnp.int32), params, tx.init(trained), rng)
+  average = jax.tree.map(jnp.copy, params) if cfg.train.ema else None  # starts at the params
+  return graphdef, TrainState(jnp.zeros((), jnp.int32), params, tx.init(trained), rng, average)
 
 
 def abstract_state(cfg, tx) -> TrainState:
@@ -227,5 +252,6 @@ def make_train_step(cfg, *, tx, layout: parallel.Layout | None, shardings):
     micro_batches=cfg.train.micro_batches,
     trainable=lora.trainable(cfg.model),
     loss_chunk=cfg.train.loss_chunk,
+    ema=cfg.train.ema,
   )
   return jax.jit(step, donate_argnums=0, out_shardings=(shardings, None))

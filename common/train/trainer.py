@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
@@ -56,6 +57,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
   ckpts = checkpoint.Checkpoints(workdir, keep=cfg.train.keep_checkpoints)
   meta = {"family": cfg.model.family, "model": cfg.model.to_dict(), "data": cfg.data.to_dict()}
+  if cfg.train.ema:  # the readers of the checkpoint take the average (weights.params_key)
+    meta["weights"] = "ema"
   abstract, shardings = steps.placed_abstract_state(cfg, tx, layout)
   if ckpts.latest_step() is not None:
     state = ckpts.restore_latest(abstract, data_iterator=data_iter)
@@ -67,7 +70,10 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         init_from,
         state.params,
       )
-      state = dataclasses.replace(state, params=jax.device_put(params, shardings.params))
+      params = jax.device_put(params, shardings.params)
+      state = dataclasses.replace(state, params=params)
+      if state.ema is not None:  # the average starts at the loaded weights (its own buffers)
+        state = dataclasses.replace(state, ema=jax.tree.map(jnp.copy, params))
   start = int(state.step)
   step_fn = steps.make_train_step(cfg, tx=tx, layout=layout, shardings=shardings)
   graphdef = nnx.graphdef(models.abstract(cfg.model))
@@ -107,7 +113,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         and cfg.train.eval_every
         and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
       ):
-        ev = evaluate(state.params, data, graphdef=graphdef, cfg=cfg, layout=layout)
+        weights_now = state.params if state.ema is None else state.ema  # train.ema: the average
+        ev = evaluate(weights_now, data, graphdef=graphdef, cfg=cfg, layout=layout)
         log.write(step, ev, split="eval")
         extra = "".join(f", {k} {ev[k]:.4f}" for k in ("wer",) if k in ev)
         bar.write(f"step {step}: eval loss {ev['loss']:.4f}{extra}")

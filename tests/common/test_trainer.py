@@ -352,6 +352,103 @@ def test_resume_with_other_memory_levers(reference, tmp_path):
   assert weights.restore_params(smoke_config(), workdir)[2] == 6  # loads with the levers off
 
 
+# The moving average of the weights (train.ema). A decay of 0.3 is capped by (1 + t) / (10 + t)
+# at steps 1 and 2 (0.18, 0.25) and not after (0.31 at step 3), so both branches are checked.
+EMA = {"train.ema": "0.3", "train.eval_every": "6"}
+
+
+def copied_params(params) -> dict:
+  """flat_params as copies: the train step donates the state, so no view of it may be kept."""
+  return {k: np.array(v, copy=True) for k, v in flat_params(params).items()}
+
+
+def hand_ema(history: list[dict], decay: float) -> dict:
+  """The average written out in float64: the initial weights, then at step t = 1, 2, ...
+  e = d e + (1 - d) p_t with d = min(decay, (1 + t) / (10 + t))."""
+  ema = {k: v.astype(np.float64) for k, v in history[0].items()}
+  for t, params in enumerate(history[1:], start=1):
+    d = min(decay, (1 + t) / (10 + t))
+    ema = {k: d * ema[k] + (1 - d) * params[k] for k in ema}
+  return ema
+
+
+@pytest.mark.slow
+def test_ema_step_averages_the_params_of_every_step():
+  cfg = smoke_config(EMA)
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  _, state = steps.init_state(cfg, tx)
+  shardings = steps.placed_abstract_state(cfg, tx, None)[1]
+  step_fn = steps.make_train_step(cfg, tx=tx, layout=None, shardings=shardings)
+  batches = trainer.load_data(cfg).iterator
+  history = [copied_params(state.params)]
+  for _ in range(6):
+    state, _ = step_fn(state, next(batches))
+    history.append(copied_params(state.params))
+  want, got = hand_ema(history, 0.3), flat_params(state.ema)
+  assert got.keys() == want.keys()
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=str(k))
+  # Not trivially the last params: the average lags behind them.
+  assert any(np.abs(got[k] - history[-1][k]).max() > 1e-4 for k in want)
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory):
+  """The reference run with train.ema: its workdir."""
+  workdir = str(tmp_path_factory.mktemp("ema"))
+  trainer.train(smoke_config(EMA), workdir, progress=False)
+  return workdir
+
+
+def saved_weights(cfg, workdir) -> dict:
+  """The raw params and the average of `workdir`'s latest checkpoint."""
+  abstract = nnx.state(models.abstract(cfg.model), nnx.Param)
+  ckpts, step = checkpoint.open_latest(workdir)
+  try:
+    return ckpts.restore(step, {"params": abstract, "ema": abstract})
+  finally:
+    ckpts.close()
+
+
+@pytest.mark.slow
+def test_ema_is_evaluated_and_read_back_without_changing_training(reference, ema_run):
+  assert train_losses(ema_run) == train_losses(reference)  # the average never feeds back
+  cfg = smoke_config(EMA)
+  saved = saved_weights(cfg, ema_run)
+  assert_params_equal(saved["params"], weights.restore_params(smoke_config(), reference)[1])
+  # zoo eval, zoo generate (restore_params), hub.load, export and init_from (read) take the
+  # average, not the raw params.
+  assert_params_equal(weights.restore_params(cfg, ema_run)[1], saved["ema"])
+  assert_params_equal(weights.read(ema_run)[1], saved["ema"])
+  assert any(
+    np.abs(a - b).max() > 1e-4
+    for a, b in zip(
+      flat_params(saved["ema"]).values(), flat_params(saved["params"]).values(), strict=True
+    )
+  )
+  # The logged evaluation is the average's.
+  with open(os.path.join(ema_run, "metrics.jsonl")) as f:
+    logged = [json.loads(line) for line in f if '"eval"' in line]
+  assert [r["step"] for r in logged] == [6]
+  graphdef = nnx.graphdef(models.abstract(cfg.model))
+  data = trainer.load_data(cfg, train=False)
+  for params, equal in ((saved["ema"], True), (saved["params"], False)):
+    loss = trainer.evaluate(params, data, graphdef=graphdef, cfg=cfg)["loss"]
+    assert (loss == pytest.approx(logged[0]["loss"], rel=1e-6)) == equal
+
+
+@pytest.mark.slow
+def test_resume_with_ema_is_exact(ema_run, tmp_path):
+  workdir = str(tmp_path / "run")
+  trainer.train(smoke_config({**EMA, "train.steps": "4"}), workdir, progress=False)
+  trainer.train(smoke_config(EMA), workdir, progress=False)
+  assert train_losses(workdir) == train_losses(ema_run)
+  cfg = smoke_config(EMA)
+  got, want = saved_weights(cfg, workdir), saved_weights(cfg, ema_run)
+  assert_params_equal(got["params"], want["params"])
+  assert_params_equal(got["ema"], want["ema"])  # the average was saved and restored, bitwise
+
+
 # Model configs saved before the shared stack (mlp.kind was the activation; no norm_placement,
 # embed_scale, final_softcap, layer pattern, attention.scale or norm.offset).
 NEW_KEYS = ("norm_placement", "embed_scale", "final_softcap", "layer_pattern", "layer_kinds")
