@@ -9,7 +9,7 @@ TRAIN = {
   "steps": 1000,
   "batch_size": 32,
   "log_every": 10,
-  "eval_every": 0,  # 0: evaluate at the last step only (if the data has a held-out split)
+  "eval_every": 0,  # 0: no evaluation while training (`zoo eval` evaluates a workdir)
   "eval_batches": 0,  # 0: every held-out batch
   "checkpoint_every": 1000,
   "keep_checkpoints": 3,
