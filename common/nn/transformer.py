@@ -10,8 +10,8 @@ every choice that tells families apart is a config value:
   cap) on the output logits (Gemma 2), on every path that makes logits (`output_head`);
 - `layer_pattern` and `layer_kinds`: a repeating pattern of layer kinds, each kind changing the
   attention (a sliding window) and/or the position encoding (its own RoPE theta) of its layers,
-  e.g. Gemma 3's five local layers to one global; `model.scan` then runs one scanned body per
-  repetition of the pattern;
+  e.g. Gemma 3's five local layers to one global; `model.scan` then stores the layers stacked
+  per slot of the pattern and runs one scanned body per repetition of it;
 - the sub-configs of attention, position, norm and MLP (`mlp.kind`: dense or MoE), each the
   shared layer's own config;
 - `modulation`: "adaln_zero" modulates a pre-norm block by a conditioning vector c [B, D]
@@ -403,7 +403,10 @@ class Block(nnx.Module):
 
 
 class _Stack(nnx.Module):
-  """What the decoder and encoder share: positions, the blocks and how they are run."""
+  """What the decoder and encoder share: positions, the blocks and how they are run. The
+  blocks are `blocks` (one per layer) or, with `model.scan`, stored stacked: `stacked` (one
+  module per slot of the layer pattern, each parameter [repetitions, ...]) and `rest` (the
+  layers past the last whole repetition); `layer(i)` is layer i either way."""
 
   def _make_positions(self, cfg, rngs, dt):
     kw = dict(
