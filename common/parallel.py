@@ -54,6 +54,8 @@ RULES = {
   "V": "tensor",
   "E": "expert",  # an MoE layer's experts
 }
+# The leading dim of a stacked parameter (model.scan, common/nn/memory.py): no mesh axis.
+LAYERS = "L"
 # The batch's rows are split over every axis but context and tensor (expert too: each device
 # routes its own tokens); the tokens of a language model's rows over context as well.
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -99,7 +101,12 @@ class Layout:
 
   def param_spec(self, variable) -> P:
     axes = getattr(variable, "axes", None) or (None,) * variable.ndim
-    if variable.ndim == 1 and self.stored_sharded(axes[0]):
+    if axes[:1] == (LAYERS,):  # stacked layers (model.scan): each layer placed as unstacked
+      return P(None, *self._spec(axes[1:], variable.ndim - 1))
+    return self._spec(axes, variable.ndim)
+
+  def _spec(self, axes, ndim: int) -> P:
+    if ndim == 1 and self.stored_sharded(axes[0]):
       return P(None)
     return P(*(ms[0] if len(ms) == 1 else ms or None for ms in self.dim_axes(axes)))
 

@@ -41,3 +41,36 @@ def _cpu_only(request):
 
     if jax.default_backend() != "cpu":
       pytest.skip(f"checks a CPU backend's behaviour; this is {jax.default_backend()}")
+
+
+@pytest.fixture
+def scanned_copy():
+  """`scanned_copy(zoo, out)`: a copy at `out` of the zoo checkpoint `zoo` (a `zoo convert`
+  output) whose model has `model.scan` on and whose params are stored stacked, as a scanned
+  run saves them (nnx_zoo.common.nn.memory)."""
+  import shutil
+
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from nnx_zoo.common import models
+  from nnx_zoo.common.hub import checkpoint, weights
+  from nnx_zoo.common.nn import memory
+
+  def copy(zoo, out):
+    zoo, out = str(zoo), str(out)
+    cfg, params, meta = weights.read_zoo(zoo)
+    cfg.scan = True
+    params = memory.match_layers(params, nnx.state(models.abstract(cfg), nnx.Param))
+    assert "stacked" in params, "too few layers to stack"
+    shutil.copytree(zoo, out, ignore=shutil.ignore_patterns("checkpoints"))
+    ckpts = checkpoint.Checkpoints(out, keep=1)
+    try:
+      state = {"params": params, "step": jnp.zeros((), jnp.int32)}
+      ckpts.save(0, state, meta={**meta, "model": cfg.to_dict()}, force=True)
+      ckpts.wait()
+    finally:
+      ckpts.close()
+    return out
+
+  return copy

@@ -15,8 +15,10 @@ import shutil
 import grain
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
 
 from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import memory
 from nnx_zoo.common.train.faults import warn
 
 
@@ -53,16 +55,46 @@ class Checkpoints:
   def restore(self, step: int, abstract_state, *, data_iterator=None):
     """The state at `step` (and the data iterator moved to where it was). A dict restores only
     the entries it names (`{"params": ...}`): the params of any run whatever its optimizer, and
-    of a `zoo convert` checkpoint, which holds nothing else."""
-    if isinstance(abstract_state, dict):
-      restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
-      args = ocp.args.PyTreeRestore(abstract_state, restore_args, partial_restore=True)
+    of a `zoo convert` checkpoint, which holds nothing else.
+
+    The layers are converted to the layout of `abstract_state` where the step stores them
+    otherwise (`model.scan` stacks them, common/nn/memory.py): a checkpoint of a scanned run
+    restores into an unscanned model and the reverse, optimizer moments included."""
+    want = memory.layouts(k for k, _ in nnx.to_flat_state(_params(abstract_state)))
+    have = self._layouts(step)
+    target = abstract_state if have == want else memory.relayout(abstract_state, have)
+    if isinstance(target, dict):
+      restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+      args = ocp.args.PyTreeRestore(target, restore_args, partial_restore=True)
       items = {"state": args}
     else:
-      items = {"state": ocp.args.StandardRestore(abstract_state)}
+      items = {"state": ocp.args.StandardRestore(target)}
     if data_iterator is not None:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-    return self.manager.restore(step, args=ocp.args.Composite(**items)).state
+    state = self.manager.restore(step, args=ocp.args.Composite(**items)).state
+    if have == want:
+      return state
+    state = memory.relayout(state, want)
+    # Placed as the caller asked (the converted arrays are wherever the conversion left them).
+    return jax.tree.map(
+      lambda x, a: x if getattr(a, "sharding", None) is None else jax.device_put(x, a.sharding),
+      state,
+      abstract_state,
+    )
+
+  def _layouts(self, step: int) -> dict:
+    """The stacks the params of `step` store stacked (`memory.layouts`), read from its tree."""
+    path = os.path.join(self.path, str(step), "state")
+    try:
+      tree = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
+    except Exception:  # damaged: restoring it says so
+      return {}
+    paths = [
+      tuple(int(k) if k.isdigit() else k for k in (str(getattr(e, "key", e)) for e in p[1:]))
+      for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+      if p and str(getattr(p[0], "key", "")) == "params"
+    ]
+    return memory.layouts(paths)
 
   def meta(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
@@ -116,6 +148,10 @@ class Checkpoints:
 
   def close(self):
     self.manager.close()
+
+
+def _params(state):
+  return state["params"] if isinstance(state, dict) else state.params
 
 
 def has_steps(workdir: str) -> bool:

@@ -30,6 +30,7 @@ from flax import nnx
 from nnx_zoo.common import models
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub.keymap import Rule, hf_names
+from nnx_zoo.common.nn import memory
 
 TOKENIZER_FILES = (
   "tokenizer.json",
@@ -81,8 +82,15 @@ def _path(dotted: str) -> tuple:
 
 
 def _abstract_params(cfg) -> dict[str, nnx.Param]:
-  state = nnx.state(models.abstract(cfg), nnx.Param)
+  """The model's parameters by dotted path, one tree per layer (`blocks.3.attn.q.kernel`):
+  the key maps name each layer's, whether `model.scan` stores them stacked or not."""
+  state = memory.unstack_layers(nnx.state(models.abstract(cfg), nnx.Param))
   return {".".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
+
+
+def _stacked_as(cfg) -> dict:
+  """The stacks the model of `cfg` stores stacked (`memory.layouts`)."""
+  return memory.layouts(k for k, _ in nnx.to_flat_state(nnx.state(models.abstract(cfg))))
 
 
 def _checked_rules(cfg, mod, names=None) -> tuple[list[Rule], dict[str, nnx.Param]]:
@@ -223,7 +231,8 @@ def _shapes(rule: Rule, want) -> tuple:
 
 
 def from_hf(cfg, mod, tensors: SafeTensors, *, src: str) -> tuple[nnx.State, list[str]]:
-  """The zoo params (in cfg.param_dtype) of an HF checkpoint, and the names it dropped."""
+  """The zoo params (in cfg.param_dtype, in the layout of cfg's model: stacked if
+  `model.scan`) of an HF checkpoint, and the names it dropped."""
   rules, want = _checked_rules(cfg, mod, names=tensors.names())
   by_name = {n: r for r in rules for n in hf_names(r)}
   found, skipped, extra = {}, [], []
@@ -261,13 +270,13 @@ def from_hf(cfg, mod, tensors: SafeTensors, *, src: str) -> tuple[nnx.State, lis
     values = rule.to_zoo(*(jnp.asarray(tensors.get(found[n])) for n in hf_names(rule)))
     for z, value in zip(rule.zoo, values, strict=True):
       flat.append((_path(z), want[z].replace(value.astype(param_dtype))))
-  return nnx.from_flat_state(flat), skipped
+  return memory.stack_layers(nnx.from_flat_state(flat), _stacked_as(cfg)), skipped
 
 
 def to_hf(cfg, mod, params: nnx.State) -> dict[str, jax.Array]:
   """HF tensors (named as the rules name them) of zoo params."""
   rules, want = _checked_rules(cfg, mod)
-  have = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(params)}
+  have = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(memory.unstack_layers(params))}
   missing = sorted(set(want) - set(have))
   if missing:
     raise UserError(f"The checkpoint lacks the parameters {missing[:10]}.")

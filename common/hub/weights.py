@@ -123,7 +123,8 @@ def restore_params(cfg, workdir: str) -> tuple[nnx.GraphDef, nnx.State, int]:
 
 def init_params(cfg, params: nnx.State) -> nnx.State:
   """`params` (arrays, or abstract ShapeDtypeStructs) with the weights of `init_from` (a zoo
-  run's workdir, a `zoo convert` output or a Hugging Face directory) in their place.
+  run's workdir, a `zoo convert` output or a Hugging Face directory) in their place, one tree
+  per layer (`memory.unstack_layers`) whatever the layout of `params` or of the checkpoint.
 
   Every parameter of the model must come from the checkpoint with its shape, except LoRA
   adapters and what `init_reinit` names (a new head, a resized vocab), which keep their fresh
@@ -138,8 +139,10 @@ def init_params(cfg, params: nnx.State) -> nnx.State:
     )
   _, loaded = read(path)  # params only: the optimizer starts fresh
   reinit = lora.patterns(cfg.get("init_reinit", ""))
-  want = dict(nnx.to_flat_state(params))
-  got = dict(nnx.to_flat_state(loaded))
+  # Compared and named one tree per layer (`blocks.3.attn.q`), whether either side stores its
+  # layers stacked (model.scan): the result is in that layout too.
+  want = dict(nnx.to_flat_state(memory.unstack_layers(params)))
+  got = dict(nnx.to_flat_state(memory.unstack_layers(loaded)))
 
   def fresh(key) -> bool:
     return isinstance(want.get(key), lora.LoRAParam) or lora.matches(_dotted(key), reinit)

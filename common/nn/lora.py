@@ -15,10 +15,12 @@ import fnmatch
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from flax import nnx
 
 from nnx_zoo.common import parallel
 from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import memory
 from nnx_zoo.common.nn.linear import Linear
 
 
@@ -48,13 +50,18 @@ def matches(path: str, patterns: list[str]) -> bool:
 
 
 class LoRA(nnx.Module):
-  """The adapter of one projection with kernel axes `axes`: (x @ A) @ B * alpha / rank."""
+  """The adapter of one projection with kernel axes `axes`: (x @ A) @ B * alpha / rank. `key`
+  draws A (else the next key of `rngs`)."""
 
-  def __init__(self, in_features, out_features, *, rank, alpha, axes, dtype, param_dtype, rngs):
+  def __init__(
+    self, in_features, out_features, *, rank, alpha, axes, dtype, param_dtype, rngs, key=None
+  ):
     self.scale, self.axes, self.dtype = alpha / rank, axes, dtype
     # A as a Kaiming-uniform init of a [in, rank] kernel (as PEFT); B zero.
     self.a = LoRAParam(
-      nnx.initializers.kaiming_uniform()(rngs.params(), (in_features, rank), param_dtype),
+      nnx.initializers.kaiming_uniform()(
+        rngs.params() if key is None else key, (in_features, rank), param_dtype
+      ),
       axes=(axes[0], None),
     )
     self.b = LoRAParam(jnp.zeros((rank, out_features), param_dtype), axes=(None, axes[1]))
@@ -74,14 +81,38 @@ def _linears(model: nnx.Module):
       yield ".".join(map(str, path)), node
 
 
+def _per_layer(model: nnx.Module) -> dict[str, tuple[Linear, int | None]]:
+  """Each Linear by its path one tree per layer (`blocks.3.attn.q`, whatever `model.scan`
+  stores), with, for a Linear whose weights are stacked over the layers, the layer's index in
+  the stack; in the order of the unscanned model's Linears (nnx's: attributes sorted)."""
+  stand_ins, linears = [], []
+  for path, lin in _linears(model):
+    kernel = lin.kernel
+    stacked = (getattr(kernel, "axes", None) or (None,))[0] == parallel.LAYERS
+    # What `unstack_layers` moves as it would the kernel: (which Linear, which layer) per layer.
+    ids = np.empty(kernel.shape[0] if stacked else (), object)
+    for r in np.ndindex(ids.shape):
+      ids[r] = (len(linears), r[0] if stacked else None)
+    stand_ins.append((tuple(memory.path_key(p) for p in path.split(".")) + ("kernel",), ids))
+    linears.append(lin)
+  flat = nnx.to_flat_state(memory.unstack_layers(nnx.from_flat_state(stand_ins)))
+  out = {}
+  for k, ids in sorted(flat, key=lambda kv: kv[0]):
+    n, r = ids[()] if isinstance(ids, np.ndarray) else ids
+    out[".".join(map(str, k[:-1]))] = (linears[n], r)
+  return out
+
+
 def apply(model: nnx.Module, cfg, *, seed: int = 0) -> nnx.Module:
-  """Adds an adapter to every Linear of `model` whose path matches `cfg.targets`."""
+  """Adds an adapter to every Linear of `model` whose path (one tree per layer: `blocks.3.attn.q`
+  also where `model.scan` stores the layers stacked) matches `cfg.targets`. The adapters of a
+  stacked Linear are stacked too, with the values the unscanned model's adapters get."""
   if not cfg.rank:
     return model
   if cfg.rank < 0:
     raise UserError(f"model.lora.rank={cfg.rank} must be positive (0: no LoRA).")
   targets = patterns(cfg.targets)
-  linears = dict(_linears(model))
+  linears = _per_layer(model)
   chosen = {path: lin for path, lin in linears.items() if matches(path, targets)}
   if not chosen:
     names = sorted({p.split(".", 2)[-1] if p.startswith("blocks.") else p for p in linears})
@@ -90,8 +121,9 @@ def apply(model: nnx.Module, cfg, *, seed: int = 0) -> nnx.Module:
       f"projections (per block): {', '.join(names)}."
     )
   rngs = nnx.Rngs(seed + 1_000_003)  # its own stream: the base weights are those without LoRA
-  for lin in chosen.values():
-    lin.lora = LoRA(
+  adapters = {}  # Linear -> its adapters, one per layer of a stacked Linear
+  for lin, r in chosen.values():  # one key each, in the unscanned model's order
+    adapter = LoRA(
       lin.in_features,
       lin.out_features,
       rank=cfg.rank,
@@ -101,6 +133,18 @@ def apply(model: nnx.Module, cfg, *, seed: int = 0) -> nnx.Module:
       param_dtype=lin.kernel[...].dtype,
       rngs=rngs,
     )
+    adapters.setdefault(id(lin), (lin, {}))[1][r] = adapter
+  for lin, by_layer in adapters.values():
+    if None in by_layer:
+      lin.lora = by_layer[None]
+    elif len(by_layer) != lin.kernel.shape[0]:
+      raise UserError(
+        f"model.lora.targets={cfg.targets!r} names some layers only of a projection that "
+        "model.scan stores stacked over the layers: target it in every layer, or set "
+        "model.scan=False."
+      )
+    else:
+      lin.lora = memory.stack_modules([by_layer[r] for r in sorted(by_layer)])
   return model
 
 

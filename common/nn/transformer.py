@@ -10,8 +10,8 @@ every choice that tells families apart is a config value:
   cap) on the output logits (Gemma 2), on every path that makes logits (`output_head`);
 - `layer_pattern` and `layer_kinds`: a repeating pattern of layer kinds, each kind changing the
   attention (a sliding window) and/or the position encoding (its own RoPE theta) of its layers,
-  e.g. Gemma 3's five local layers to one global; `model.scan` then runs one scanned body per
-  repetition of the pattern;
+  e.g. Gemma 3's five local layers to one global; `model.scan` then stores the layers stacked
+  per slot of the pattern and runs one scanned body per repetition of it;
 - the sub-configs of attention, position, norm and MLP (`mlp.kind`: dense or MoE), each the
   shared layer's own config;
 - `modulation`: "adaln_zero" modulates a pre-norm block by a conditioning vector c [B, D]
@@ -403,7 +403,10 @@ class Block(nnx.Module):
 
 
 class _Stack(nnx.Module):
-  """What the decoder and encoder share: positions, the blocks and how they are run."""
+  """What the decoder and encoder share: positions, the blocks and how they are run. The
+  blocks are `blocks` (one per layer) or, with `model.scan`, stored stacked: `stacked` (one
+  module per slot of the layer pattern, each parameter [repetitions, ...]) and `rest` (the
+  layers past the last whole repetition); `layer(i)` is layer i either way."""
 
   def _make_positions(self, cfg, rngs, dt):
     kw = dict(
@@ -429,9 +432,32 @@ class _Stack(nnx.Module):
 
   def _make_blocks(self, cfg, rngs):
     _check(cfg)
-    self.blocks = nnx.List([Block(layer_config(cfg, i), rngs=rngs) for i in range(cfg.num_layers)])
+    blocks = [Block(layer_config(cfg, i), rngs=rngs) for i in range(cfg.num_layers)]
     self.remat, self.scan = cfg.get("remat", "none"), cfg.get("scan", False)
     self.period = _period(cfg)
+    # Scanned, the layers are stored stacked (common/nn/memory.py: `stacked`, one module per
+    # slot of the pattern, then the `rest`); built one by one first, so the values are those of
+    # the unscanned model of the same seed.
+    reps = memory.stacks(cfg.num_layers, self.period) if self.scan else 0
+    if reps:
+      self.stacked = nnx.List(memory.stack_blocks(blocks, self.period))
+      self.rest = nnx.List(blocks[reps * self.period :])
+      self.blocks = None
+    else:
+      self.stacked = self.rest = None
+      self.blocks = nnx.List(blocks)
+
+  def layer(self, i: int) -> Block:
+    """Layer i as one block (of a stacked stack, a view on its slice of the stacks)."""
+    if self.stacked is None:
+      return self.blocks[i]
+    return memory.layer(self.stacked, self.rest, i)
+
+  @property
+  def num_layers(self) -> int:
+    if self.stacked is None:
+      return len(self.blocks)
+    return memory.num_stacked(self.stacked) * len(self.stacked) + len(self.rest)
 
   def _run_blocks(self, x_BTD, *, positions_BT, segment_ids_BT, cache=None, **source):
     per_slot = None
@@ -443,11 +469,11 @@ class _Stack(nnx.Module):
       bias = self.position.logit_bias(positions_BT, positions_BT, self.position.num_heads)
       layer_position = position.StackBias(bias)
     return memory.run_blocks(
-      self.blocks,
+      self.blocks if self.stacked is None else self.rest,
       x_BTD,
+      stacked=self.stacked,
       cache=cache,
       remat=self.remat,
-      scan=self.scan,
       period=self.period,
       per_slot=per_slot,
       positions_BT=positions_BT,
@@ -515,7 +541,7 @@ class Decoder(_Stack):
     return project(head, x_BTD)
 
   def init_cache(self, batch: int, max_len: int) -> list[attention.KVCache]:
-    return [block.attn.init_cache(batch, max_len) for block in self.blocks]
+    return [self.layer(i).attn.init_cache(batch, max_len) for i in range(self.num_layers)]
 
 
 class Encoder(_Stack):
@@ -872,11 +898,12 @@ class EncoderDecoder(nnx.Module):
     """The decoding state for `max_len` decoder tokens: empty self-attention caches, and the
     source's keys and values, projected once per layer (the encoder ran once, before)."""
     B = source_BSD.shape[0]
+    blocks = [self.decoder.layer(i) for i in range(self.decoder.num_layers)]
     return [
       CrossCache(
         block.attn.init_cache(B, max_len), block.cross_attn.source_kv(source_BSD, segment_ids_BS)
       )
-      for block in self.decoder.blocks
+      for block in blocks
     ]
 
   def decode(self, decoder_tokens_BT, *, cache: list[CrossCache]):

@@ -18,13 +18,23 @@ before this existed restore, and `tests/common/test_optim.py` compares every ste
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
+from nnx_zoo.common import parallel
 from nnx_zoo.common.errors import UserError
 
 
 def decay_mask(params):
-  """Weight decay on matrices only: no decay on vectors (norm scales, biases)."""
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+  """Weight decay on matrices only: no decay on vectors (norm scales, biases), stacked over
+  the layers (model.scan: a leading logical axis "L") or not."""
+
+  def mask(p):
+    if isinstance(p, nnx.Variable):
+      stacked = (getattr(p, "axes", None) or (None,))[0] == parallel.LAYERS
+      return jax.tree.map(lambda x: x.ndim - stacked >= 2, p)
+    return p.ndim >= 2
+
+  return jax.tree.map(mask, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def reference(

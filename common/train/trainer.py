@@ -65,11 +65,12 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   else:
     state = jax.jit(lambda: steps.init_state(cfg, tx)[1], out_shardings=shardings)()
     if init_from is not None:  # what it does not give (adapters, init_reinit) stays fresh
-      params = jax.tree.map(
+      params = jax.tree.map(  # one tree per layer (init_params), stacked back if scanned
         lambda loaded, fresh: fresh if isinstance(loaded, jax.ShapeDtypeStruct) else loaded,
         init_from,
-        state.params,
+        memory.unstack_layers(state.params),
       )
+      params = memory.match_layers(params, state.params)
       params = jax.device_put(params, shardings.params)
       state = dataclasses.replace(state, params=params)
       if state.ema is not None:  # the average starts at the loaded weights (its own buffers)

@@ -180,15 +180,15 @@ def zoo_forward(model, x: dict) -> tuple[np.ndarray, list[np.ndarray]]:
       model.position.embed(model.embed(tokens) + model.token_type(types), positions)
     )
     layers.append(h)
-    for block in model.blocks:
-      h, _ = block(h, positions_BT=positions, segment_ids_BT=mask, position=model.position)
+    for i in range(model.num_layers):  # model.layer(i): one block, stored stacked or not
+      h, _ = model.layer(i)(h, positions_BT=positions, segment_ids_BT=mask, position=model.position)
       layers.append(h)
   else:
     final = model(tokens)
     h = model.position.embed(model.embed(tokens), positions)
     layers.append(h)
-    for block in model.blocks:
-      h, _ = block(
+    for i in range(model.num_layers):
+      h, _ = model.layer(i)(
         h, positions_BT=positions, segment_ids_BT=None, position=model.position, cache=None
       )
       layers.append(h)
@@ -241,6 +241,31 @@ def test_convert_matches_transformers_and_exports_back(name, tmp_path):
     assert getattr(back.config, key, None) == getattr(model.config, key, None), key
   # The same fp32 numbers in the same layout: transformers computes exactly what it did.
   assert max_diff(hf_forward(back, x)[0], hf_forward(model, x)[0]) == 0.0
+
+
+@pytest.mark.parametrize("name", ["llama", "bert-classifier", "mixtral-3-experts-top2"])
+@pytest.mark.slow
+def test_a_scanned_checkpoint_loads_and_exports(name, tmp_path, scanned_copy):
+  """model.scan stores the layers stacked: a checkpoint so saved loads into a scanned model
+  with transformers' outputs, and exports the very tensors it was converted from (the key maps
+  name each layer, `blocks.i`, the export unstacks)."""
+  model = hf_model(name)
+  model.save_pretrained(tmp_path / "hf")
+  hub.convert_hf(str(tmp_path / "hf"), str(tmp_path / "zoo"))
+  scanned = scanned_copy(tmp_path / "zoo", tmp_path / "scanned")
+  ours = hub.load(scanned)
+  assert ours.stacked is not None and ours.blocks is None
+  x = inputs()
+  assert_parity(ours, model, x)
+  # The export of the unscanned checkpoint (the reference: it reloads in transformers with the
+  # same outputs, test_convert_matches_transformers_and_exports_back), tensor for tensor.
+  hub.export_hf(scanned, str(tmp_path / "export"))
+  hub.export_hf(str(tmp_path / "zoo"), str(tmp_path / "export-plain"))
+  want = load_file(str(tmp_path / "export-plain" / "model.safetensors"))
+  got = load_file(str(tmp_path / "export" / "model.safetensors"))
+  assert got.keys() == want.keys()
+  for k, v in want.items():
+    assert torch.equal(got[k], v), k
 
 
 def test_layerwise_report_names_the_layer(tmp_path):
@@ -447,10 +472,13 @@ def test_generate_refuses_an_encoder(tmp_path):
   assert code == 2 and "encoder" in err
 
 
+@pytest.mark.parametrize("scan", [False, True])
 @pytest.mark.slow
-def test_export_of_a_trained_run_loads_in_transformers(tmp_path):
-  """A `zoo run` workdir (a full train state) exports to a LlamaForCausalLM with our logits."""
+def test_export_of_a_trained_run_loads_in_transformers(tmp_path, scan):
+  """A `zoo run` workdir (a full train state; scanned: the layers stored stacked) exports to a
+  LlamaForCausalLM with our logits."""
   cfg = experiments.get_config("lm/shakespeare-char:smoke")
+  cfg.model.scan = scan
   trainer.train(cfg, str(tmp_path / "run"), progress=False)
   hub.export_hf(str(tmp_path / "run"), str(tmp_path / "ex"))
   back = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ex").eval()

@@ -11,7 +11,7 @@ from flax import nnx
 from nnx_zoo.common import experiments, hub, models
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import weights
-from nnx_zoo.common.nn import lora
+from nnx_zoo.common.nn import lora, memory
 from nnx_zoo.common.train import optim, trainer
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.bert import model as bert
@@ -128,3 +128,43 @@ def test_bert_lora_targets():
   cfg.lora = lora.config(rank=2, targets="mlp.up")
   model = models.build(cfg)
   assert model.blocks[0].mlp.up.lora is not None and model.blocks[0].attn.q.lora is None
+
+
+def test_lora_on_layers_stored_stacked():
+  """model.scan stores the layers stacked: the adapters of a stacked projection are stacked
+  too, with the unscanned model's values (same seed); per layer, the scanned model's outputs,
+  adapter gradients and merged weights are the unscanned model's."""
+  cfg = llama_cfg(rank=4, targets="attn.q,mlp.*")
+  scan_cfg = cfg.copy_and_resolve_references()
+  scan_cfg.scan = True
+  plain, scanned = models.build(cfg), models.build(scan_cfg)
+  stacked = nnx.state(scanned, lora.LoRAParam)
+  assert ("stacked", 0, "attn", "q", "lora", "a") in dict(nnx.to_flat_state(stacked))
+  want = dict(nnx.to_flat_state(nnx.state(plain, lora.LoRAParam)))
+  got = dict(nnx.to_flat_state(memory.unstack_layers(stacked)))
+  assert got.keys() == want.keys()
+  for k in want:
+    np.testing.assert_array_equal(np.asarray(got[k][...]), np.asarray(want[k][...]), str(k))
+  perturbed(plain)
+  nnx.update(scanned, memory.match_layers(nnx.state(plain), scanned))
+  np.testing.assert_allclose(scanned(TOKENS), plain(TOKENS), rtol=1e-5, atol=1e-5)
+
+  def grads(model):
+    graphdef, trained, frozen = nnx.split(model, lora.LoRAParam, ...)
+    f = lambda t: jnp.sum(jnp.sin(nnx.merge(graphdef, t, frozen)(TOKENS)))
+    return jax.grad(f)(trained)
+
+  got, want = memory.unstack_layers(grads(scanned)), grads(plain)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(y))))
+  lora.merge(plain)
+  lora.merge(scanned)
+  np.testing.assert_allclose(scanned(TOKENS), plain(TOKENS), rtol=1e-5, atol=1e-5)
+  # A target naming some layers of a stacked projection only cannot be stacked.
+  one_layer = dict(targets="blocks.1.attn.q", rank=4)
+  assert models.build(llama_cfg(**one_layer)).blocks[1].attn.q.lora is not None
+  one_layer_scanned = llama_cfg(**one_layer)
+  one_layer_scanned.scan = True
+  with pytest.raises(UserError, match="some layers only"):
+    models.build(one_layer_scanned)

@@ -1,6 +1,8 @@
 """Memory levers change memory, not results: remat == no remat, scan == no scan, accumulation ==
 one batch."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,11 +11,13 @@ from flax import nnx
 
 from nnx_zoo.common import models, sampling
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import lora
+from nnx_zoo.common.nn import lora, memory
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.bert import model as bert
+from nnx_zoo.zoo.gemma import model as gemma
 from nnx_zoo.zoo.gpt2 import model as gpt2
 from nnx_zoo.zoo.llama import model as llama
+from nnx_zoo.zoo.t5 import model as t5
 
 
 def sums_and_grads(*args, **kw):
@@ -40,7 +44,10 @@ def sums(cfg, micro_batches=1):
 
 
 def assert_same(a, b, rtol=1e-5):
+  """Equal sums and gradients (a's gradients one tree per layer first, if stacked)."""
   (ta, ca, ga), (tb, cb, gb) = a, b
+  ga = memory.unstack_layers(ga)
+  assert jax.tree.structure(ga) == jax.tree.structure(gb)
   assert float(ca) == float(cb)
   assert float(ta) == pytest.approx(float(tb), rel=rtol)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
@@ -117,7 +124,11 @@ def test_scan_equals_no_scan(family, remat):
   want, want_g, _, _ = forward_and_grads(base, tokens_BT)
   got, got_g, graphdef, params = forward_and_grads(with_scan(base, remat=remat), tokens_BT)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  # The parameter tree is unchanged: checkpoints and HF key maps address blocks.0, blocks.1...
+  # Stored stacked (one tree per slot, [L, ...]), from the unscanned model's values: one tree
+  # per layer again, the gradients are the unscanned model's.
+  assert "stacked" in params and "blocks" not in params
+  assert_params_equal(memory.unstack_layers(params), nnx.state(models.build(base), nnx.Param))
+  got_g = memory.unstack_layers(got_g)
   assert jax.tree.structure(got_g) == jax.tree.structure(want_g)
   # Relative to each leaf's largest gradient, or to a thousandth of the largest of all where a
   # leaf's gradient is zero up to rounding (BERT's key bias: softmax ignores a constant shift).
@@ -167,5 +178,93 @@ def test_remat_and_scan_with_frozen_lora_base_weights(scan):
       return jnp.sum(jnp.sin(nnx.merge(graphdef, trained, frozen)(tokens_BT)))
 
     grads.append(jax.jit(jax.grad(f))(trained))
-  for x, y in zip(jax.tree.leaves(grads[1]), jax.tree.leaves(grads[0]), strict=True):
+  got = memory.unstack_layers(grads[1])
+  assert jax.tree.structure(got) == jax.tree.structure(grads[0])
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(grads[0]), strict=True):
     assert float(jnp.max(jnp.abs(x - y))) / float(jnp.max(jnp.abs(y))) < 1e-5
+
+
+def assert_params_equal(got, want):
+  got, want = dict(nnx.to_flat_state(got)), dict(nnx.to_flat_state(want))
+  assert got.keys() == want.keys()
+  for k, v in want.items():
+    np.testing.assert_array_equal(np.asarray(got[k][...]), np.asarray(v[...]), err_msg=str(k))
+
+
+# Stacked layers (model.scan): the conversions every boundary uses, on a pattern of period 2 with
+# a layer past the last whole repetition (5 layers: stacked [2, ...] x 2 slots, then one), and
+# on a model of two stacks (T5's encoder and decoder).
+
+
+def _gemma_tiny(num_layers):
+  """Gemma 2's local/global pattern (period 2)."""
+  cfg = gemma.config("tiny", num_layers=num_layers)
+  assert len(cfg.layer_pattern) == 2, cfg.layer_pattern
+  return cfg
+
+
+def test_stack_and_unstack_layers_round_trip():
+  """The scanned model's state is the unscanned one's (same seed) stacked per slot of the
+  pattern; unstacking gives it back, and stacking the unscanned state gives the scanned one."""
+  cfg = _gemma_tiny(5)
+  plain = nnx.state(models.build(cfg))
+  scanned = nnx.state(models.build(with_scan(cfg)))
+  assert memory.layouts(k for k, _ in nnx.to_flat_state(scanned)) == {(): 2}
+  flat = dict(nnx.to_flat_state(scanned))
+  q = flat[("stacked", 1, "attn", "q", "kernel")]
+  assert q.shape[0] == 2 and q.axes[0] == "L"  # layers 1 and 3
+  np.testing.assert_array_equal(
+    q[...][1], dict(nnx.to_flat_state(plain))[("blocks", 3, "attn", "q", "kernel")][...]
+  )
+  assert ("rest", 0, "attn", "q", "kernel") in flat  # layer 4
+  assert_params_equal(memory.unstack_layers(scanned), plain)
+  assert_params_equal(memory.match_layers(plain, scanned), scanned)
+  assert_params_equal(memory.match_layers(scanned, plain), plain)
+  assert_params_equal(memory.stack_layers(memory.unstack_layers(scanned), {(): 2}), scanned)
+  # Each Variable's axes: the layer axis first when stacked, the per-layer axes otherwise.
+  for k, v in nnx.to_flat_state(memory.unstack_layers(scanned)):
+    assert v.axes == dict(nnx.to_flat_state(plain))[k].axes, k
+
+
+def test_two_stacks_convert_each_on_its_own():
+  cfg = t5.config("tiny")
+  plain = nnx.state(models.build(cfg), nnx.Param)
+  scanned = nnx.state(models.build(with_scan(cfg)), nnx.Param)
+  assert set(memory.layouts(k for k, _ in nnx.to_flat_state(scanned))) == {
+    ("encoder",),
+    ("decoder",),
+  }
+  assert_params_equal(memory.unstack_layers(scanned), plain)
+  assert_params_equal(memory.match_layers(plain, scanned), scanned)
+
+
+def test_scanned_pattern_with_a_rest_equals_unscanned_and_decodes():
+  """Logits of the same seed scanned (a remainder layer past the last repetition) or not;
+  cached greedy decoding of the scanned model (layer by layer on slices of the stacks) equals
+  the unscanned model's."""
+  cfg = _gemma_tiny(5)
+  plain, scanned = models.build(cfg), models.build(with_scan(cfg))
+  tokens = jnp.asarray(batch(B=2, T=9, vocab=cfg.vocab_size)["tokens"])
+  np.testing.assert_allclose(scanned(tokens), plain(tokens), rtol=1e-5, atol=1e-5)
+  prompt = tokens[:, :5]
+  logits, _ = scanned(prompt, cache=scanned.init_cache(2, 8))
+  np.testing.assert_allclose(logits, plain(prompt), rtol=1e-5, atol=1e-5)
+  out = [
+    sampling.generate(m, prompt, max_new_tokens=3, rng=jax.random.key(0), temperature=0)
+    for m in (plain, scanned)
+  ]
+  np.testing.assert_array_equal(out[0], out[1])
+
+
+def test_a_scanned_step_copies_no_stacked_parameters():
+  """The compiled scanned step reads the stored stacks: no concatenate or stacking
+  dynamic-update-slice of a whole parameter stack outside the loop (what stacking per call
+  compiled to)."""
+  cfg = with_scan(llama.config("tiny", num_layers=4), remat="full")
+  graphdef, params = nnx.split(models.build(cfg), nnx.Param)
+  tokens_BT = jnp.asarray(batch(B=2, T=9)["tokens"])
+  loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(tokens_BT))
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
+  assert "scan[" in jaxpr
+  # jnp.stack of the 4 layers' weights is a concatenate into [4, ...] (the only 4 here: B=2, T=9).
+  assert not re.search(r"f32\[4(,\d+)*\] = concatenate", jaxpr)

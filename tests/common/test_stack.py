@@ -9,7 +9,7 @@ from flax import nnx
 
 from nnx_zoo.common import models
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import attention, aux, mlp, norms
+from nnx_zoo.common.nn import attention, aux, memory, mlp, norms
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.gemma import model as gemma
 from nnx_zoo.zoo.llama import model as llama
@@ -50,7 +50,9 @@ def sums_and_grads(cfg, micro_batches=1):
   fn = jax.jit(
     lambda p: steps.sums_and_grads(p, batch(), graphdef=graphdef, micro_batches=micro_batches)
   )
-  return (*fn(params), params)
+  sums, grads = fn(params)
+  # One tree per layer (model.scan stores the layers stacked: nnx_zoo.common.nn.memory).
+  return sums, memory.unstack_layers(grads), memory.unstack_layers(params)
 
 
 @pytest.mark.slow

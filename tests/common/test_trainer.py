@@ -20,6 +20,7 @@ from nnx_zoo.common import experiments, models
 from nnx_zoo.common.data import pipeline
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
+from nnx_zoo.common.nn import memory
 from nnx_zoo.common.train import losses, metrics, optim, settings, trainer
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.llama import model as llama
@@ -145,6 +146,32 @@ def test_adamw_decays_matrices_but_not_vectors(tiny):
       np.testing.assert_array_equal(new[k], v, err_msg=str(k))
     else:
       np.testing.assert_allclose(new[k], v * (1 - lr * wd), rtol=1e-6, err_msg=str(k))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_adamw_decays_the_same_with_the_layers_stacked(tiny, fused):
+  """model.scan stores the norm scales stacked [L, D]: still vectors, not decayed; one step
+  from the same gradients gives the per-layer step's params (and moments), stacked."""
+  _, params = tiny
+  tx = optim.optimizer(optim_config(weight_decay=0.5, warmup_steps=0), 10, fused=fused)
+  grads = jax.tree.map(lambda x: jnp.sin(jnp.arange(x.size).reshape(x.shape) + 1.0), params)
+  stacked = memory.stack_layers(params, {(): 1})
+  assert any(
+    k[0] == "stacked" and v.ndim == 2 and k[-1] == "scale" for k, v in nnx.to_flat_state(stacked)
+  )
+
+  def step(params, grads):
+    updates, state = tx.update(grads, tx.init(params), params)
+    return optax.apply_updates(params, updates), state
+
+  want, want_state = jax.jit(step)(params, grads)
+  got, got_state = jax.jit(step)(stacked, memory.stack_layers(grads, {(): 1}))
+  assert_params_equal(memory.unstack_layers(got), want)
+  want_mu = jax.tree.leaves(want_state, is_leaf=lambda x: isinstance(x, nnx.State))
+  got_mu = jax.tree.leaves(got_state, is_leaf=lambda x: isinstance(x, nnx.State))
+  for g, w in zip(got_mu, want_mu, strict=True):
+    if isinstance(w, nnx.State):
+      assert_params_equal(memory.unstack_layers(g), w)
 
 
 def test_warmup_cosine_schedule_equals_optax_reference():
@@ -289,14 +316,20 @@ def test_checkpoint_holds_the_data_iterator_state(reference):
     np.testing.assert_array_equal(got[k], want[k])
 
 
+@pytest.mark.parametrize("scan", [False, True])
 @pytest.mark.slow
-def test_init_from_loads_the_source_params(reference, tmp_path):
+def test_init_from_loads_the_source_params(reference, tmp_path, scan):
+  """Into the same model, or one that stores its layers stacked (model.scan: the source's
+  per-layer weights are stacked)."""
   cfg = smoke_config({"init_from": reference, "seed": "5", "train.steps": "1"})
+  cfg.model.scan = scan
   _, source, _ = weights.restore_params(smoke_config(), reference)
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
   graphdef, fresh = steps.init_state(cfg, tx)
-  loaded = weights.init_params(cfg, fresh.params)
+  assert ("stacked" in fresh.params) == scan
+  loaded = weights.init_params(cfg, fresh.params)  # one tree per layer
   assert_params_equal(loaded, source)
+  source = memory.match_layers(source, fresh.params)
 
   # The first step of a run with init_from starts from those params: its loss is theirs.
   workdir = str(tmp_path / "finetune")
@@ -447,6 +480,31 @@ def test_resume_with_ema_is_exact(ema_run, tmp_path):
   got, want = saved_weights(cfg, workdir), saved_weights(cfg, ema_run)
   assert_params_equal(got["params"], want["params"])
   assert_params_equal(got["ema"], want["ema"])  # the average was saved and restored, bitwise
+
+
+@pytest.mark.slow
+def test_resume_and_load_across_scan(reference, tmp_path):
+  """model.scan stores the layers stacked: a run saved scanned resumes unscanned (params and
+  AdamW moments converted) with the losses of the uninterrupted run, and each setting loads
+  the other's checkpoint with the same weights."""
+  workdir = str(tmp_path / "run")
+  trainer.train(smoke_config({"model.scan": "True", "train.steps": "4"}), workdir, progress=False)
+  cfg = smoke_config({"model.scan": "True"})
+  _, stacked, _ = weights.restore_params(cfg, workdir)  # step 4, saved stacked
+  assert "stacked" in stacked and "blocks" not in stacked
+  _, per_layer, _ = weights.restore_params(smoke_config(), workdir)
+  assert_params_equal(memory.unstack_layers(stacked), per_layer)
+  trainer.train(smoke_config(), workdir, progress=False)  # steps 5 and 6 unscanned
+  got, want = train_losses(workdir), train_losses(reference)
+  assert list(got) == list(want)
+  for step, loss in want.items():
+    assert got[step] == pytest.approx(loss, rel=1e-5), step
+  _, stacked, step = weights.restore_params(cfg, workdir)  # step 6, saved per layer
+  assert step == 6 and "stacked" in stacked
+  _, want_params, _ = weights.restore_params(smoke_config(), reference)
+  got_params = flat_params(memory.unstack_layers(stacked))
+  for k, v in flat_params(want_params).items():
+    np.testing.assert_allclose(got_params[k], v, rtol=1e-4, atol=1e-6, err_msg=str(k))
 
 
 # Model configs saved before the shared stack (mlp.kind was the activation; no norm_placement,

@@ -14,6 +14,7 @@ from flax import nnx  # noqa: E402
 
 from nnx_zoo.common import experiments, models, parallel  # noqa: E402
 from nnx_zoo.common.mesh import AXES  # noqa: E402
+from nnx_zoo.common.nn import memory  # noqa: E402
 from nnx_zoo.common.train import optim  # noqa: E402
 from nnx_zoo.common.train import step as steps  # noqa: E402
 
@@ -46,19 +47,23 @@ def main(exp: str):
   }
   scanned = cfg.model.copy_and_resolve_references()
   scanned.scan, scanned.remat = True, "save_dots"
-  scan_graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(scanned)))
-  runs = [(str(sizes), sizes, graphdef) for sizes in MESHES]
-  runs.append(("(1, 2, 2, 2) scan", (1, 2, 2, 2), scan_graphdef))  # the MoE in a scanned body
-  for name, sizes, gd in runs:
+  scan_model = nnx.eval_shape(lambda: models.build(scanned))
+  scan_graphdef = nnx.graphdef(scan_model)
+  # The same values stored stacked (model.scan): the gradients come back one tree per layer.
+  scan_params = memory.match_layers(state.params, nnx.state(scan_model, nnx.Param))
+  runs = [(str(sizes), sizes, graphdef, state.params) for sizes in MESHES]
+  # The MoE in a scanned body.
+  runs.append(("(1, 2, 2, 2) scan", (1, 2, 2, 2), scan_graphdef, scan_params))
+  for name, sizes, gd, run_params in runs:
     layout = parallel.make_layout(dict(zip(AXES, sizes, strict=True)))
-    _, shardings = steps.placed_abstract_state(cfg, tx, layout)
-    params = jax.device_put(state.params, shardings.params)
+    params = jax.device_put(run_params, layout.shardings(layout.param_specs(run_params)))
     fn = jax.jit(
       lambda p, b, layout=layout, gd=gd: steps.sharded_sums_and_grads(
         p, b, graphdef=gd, layout=layout
       )
     )
-    out[name] = result(*fn(params, steps.put_batch(batch, layout)))
+    sums, grads = fn(params, steps.put_batch(batch, layout))
+    out[name] = result(sums, memory.unstack_layers(grads))
     # Each weight's placement and the shape of one device's shard: the experts apart.
     placed = {
       "/".join(map(str, k)): [str(v.sharding.spec), list(v.addressable_shards[0].data.shape)]

@@ -57,6 +57,15 @@ def test_scanned_layers_gather_their_weights_inside_the_loop(results):
   assert got["all"] > got["entry"]
 
 
+def test_stacked_layers_are_placed_as_each_layer(results):
+  """model.scan stores the layers stacked [L, ...]: the layer axis on no mesh axis, and each
+  layer placed as the unscanned model places it (a norm scale [L, D] stays whole)."""
+  got = results["(2, 2, 2) scan placements"]
+  assert any(k.endswith("scale") for k in got) and any(k.endswith("down/kernel") for k in got)
+  for name, (stacked, plain) in got.items():
+    assert stacked == [None, *plain], name
+
+
 def expected_spec(name: str, mesh: str) -> str:
   """What nnx_zoo.common.parallel.RULES say, written out by hand for the tiny Llama's parameters."""
   data, fsdp, tensor = eval(mesh)  # noqa: S307 (our own literal)

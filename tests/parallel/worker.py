@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from nnx_zoo.common import experiments, models, parallel  # noqa: E402
-from nnx_zoo.common.nn import lora
+from nnx_zoo.common.nn import lora, memory
 from nnx_zoo.common.train import optim
 from nnx_zoo.common.train import step as steps
 
@@ -87,14 +87,30 @@ def main(exp: str):
   out["(2, 2, 2) micro_batches=2"] = {"total": float(total), "count": float(count)}
   out["(2, 2, 2) micro_batches=2"]["grads"] = flat(grads)
   # Scan over the layers (remat'd body) inside the sharded step: the per-layer gathers run in
-  # the loop body. Same params: model.scan does not change the parameter tree.
+  # the loop body. Same values: model.scan stores the layers stacked ([L, ...], the layer axis
+  # on no mesh axis), and the gradients come back one tree per layer.
   scanned = cfg.model.copy_and_resolve_references()
   scanned.scan, scanned.remat = True, "save_dots"
-  scan_graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(scanned)))
+  scan_model = nnx.eval_shape(lambda: models.build(scanned))
+  scan_graphdef = nnx.graphdef(scan_model)
+  scan_params = memory.match_layers(state.params, nnx.state(scan_model, nnx.Param))
+
+  def place(x):
+    return jax.device_put(x, layout.shardings(layout.param_specs(x)))
+
   total, count, grads = jax.jit(
     lambda p, b: sharded_sums_and_grads(p, b, graphdef=scan_graphdef, layout=layout)
-  )(jax.device_put(state.params, shardings.params), steps.put_batch(batch, layout))
+  )(place(scan_params), steps.put_batch(batch, layout))
+  grads = memory.unstack_layers(grads)
   out["(2, 2, 2) scan"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
+  # Where each stacked leaf is placed, and where the same layer's leaf is unstacked (slot j
+  # of the one-layer pattern holds layers j, j + 1...: blocks.0's placement is every layer's).
+  plain_specs = dict(nnx.to_flat_state(layout.param_specs(state.params)))
+  out["(2, 2, 2) scan placements"] = {
+    "/".join(map(str, k)): [list(v.sharding.spec), list(plain_specs[("blocks", *k[1:])])]
+    for k, v in nnx.to_flat_state(place(scan_params))
+    if k[0] == "stacked"
+  }
   # LoRA on every projection (column- and row-parallel, so the adapters' own gathers and psums
   # run): the gradient of the trained part only, base weights frozen, on (1, 4, 2).
   lora_cfg = cfg.model.copy_and_resolve_references()
@@ -111,9 +127,6 @@ def main(exp: str):
   out["lora single"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
   layout = parallel.make_layout({"data": 1, "fsdp": 4, "tensor": 2})
 
-  def place(x):
-    return jax.device_put(x, layout.shardings(layout.param_specs(x)))
-
   total, count, grads = jax.jit(
     lambda t, f, b: sharded_sums_and_grads(t, b, graphdef=lora_graphdef, layout=layout, frozen=f)
   )(place(trained), place(frozen), steps.put_batch(batch, layout))
@@ -124,7 +137,7 @@ def main(exp: str):
   _, shardings = steps.placed_abstract_state(cfg, tx, layout)
   hlo = (
     jax.jit(lambda p, b: sharded_sums_and_grads(p, b, graphdef=scan_graphdef, layout=layout))
-    .lower(jax.device_put(state.params, shardings.params), steps.put_batch(batch, layout))
+    .lower(place(scan_params), steps.put_batch(batch, layout))
     .compile()
     .as_text()
   )

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from nnx_zoo.common import hub, models, sampling
+from nnx_zoo.common.nn import memory
 from nnx_zoo.common.train import losses
 from nnx_zoo.zoo.gemma import model as gemma
 
@@ -71,18 +72,24 @@ def test_scan_over_the_pattern_equals_no_scan(name, remat):
   graphdef, params = nnx.split(model, nnx.Param)
   scan_cfg = cfg.copy_and_resolve_references()
   scan_cfg.scan, scan_cfg.remat = True, remat
-  scan_graphdef = nnx.graphdef(models.abstract(scan_cfg))
+  scan_model = models.abstract(scan_cfg)
+  scan_graphdef = nnx.graphdef(scan_model)
+  # The same weights stored stacked, one stack per slot of the pattern.
+  scan_params = memory.match_layers(params, nnx.state(scan_model, nnx.Param))
+  assert len(scan_params["stacked"]) == len(cfg.layer_pattern)
   x = tokens(0, (2, 12))
 
   def loss(graphdef, params):
     return jnp.sum(jnp.sin(nnx.merge(graphdef, params)(x)))
 
   want, want_g = jax.value_and_grad(loss, argnums=1)(graphdef, params)
-  got, got_g = jax.value_and_grad(loss, argnums=1)(scan_graphdef, params)
+  got, got_g = jax.value_and_grad(loss, argnums=1)(scan_graphdef, scan_params)
   np.testing.assert_allclose(got, want, rtol=1e-5)
+  got_g = memory.unstack_layers(got_g)
+  assert jax.tree.structure(got_g) == jax.tree.structure(want_g)
   for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(b))) + 1e-7)
-  jaxpr = str(jax.make_jaxpr(lambda p: nnx.merge(scan_graphdef, p)(x))(params))
+  jaxpr = str(jax.make_jaxpr(lambda p: nnx.merge(scan_graphdef, p)(x))(scan_params))
   assert "scan[" in jaxpr  # one body per repetition of the pattern
 
 

@@ -117,3 +117,20 @@ def test_export_reloads_in_transformers(converted):
   assert_close(logits_of(back.eval(), tokens), logits_of(model, tokens), name)
   for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters"):
     assert getattr(back.config, key) == getattr(model.config, key), key
+
+
+def test_a_scanned_checkpoint_loads_with_the_pattern_stacked(tmp_path, scanned_copy):
+  """Gemma 2's local/global pattern stored stacked (one stack per slot, model.scan): the
+  checkpoint loads with transformers' logits and exports tensors that reload in transformers
+  with them."""
+  model = hf_model("gemma2")  # 4 layers: 2 repetitions of (sliding, full)
+  model.save_pretrained(tmp_path / "hf")
+  hub.convert_hf(str(tmp_path / "hf"), str(tmp_path / "zoo"))
+  scanned = scanned_copy(tmp_path / "zoo", tmp_path / "scanned")
+  ours = hub.load(scanned)
+  assert len(ours.stacked) == 2
+  tokens = np.random.default_rng(0).integers(0, V, (B, T))
+  assert_close(np.asarray(ours(tokens)), logits_of(model, tokens), "gemma2 scanned")
+  hub.export_hf(scanned, str(tmp_path / "export"))
+  back = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager")
+  assert_close(logits_of(back.eval(), tokens), logits_of(model, tokens), "gemma2 scanned export")
