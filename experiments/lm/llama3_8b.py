@@ -7,6 +7,8 @@ Hardware:  the full model needs accelerators (about 16 bytes of weights and Adam
            `lm/llama3-8b:long` trains on rows of 131,072 tokens, each split over 8 chips of a
            v5p-128 (mesh.context; see `zoo plan lm/llama3-8b:long --topology v5p-128`).
 Time:      not measured on accelerators here; the smoke form takes about 10 s on 2 CPU cores.
+           `zoo plan` (memory only): the long form needs 26.7 GiB a chip of a v5p-128's 95 with
+           its context=8 rule, against 92.5 GiB with one row a chip (fsdp=64).
 Expected:  no reference metric: the loss depends on your corpus. The smoke form's loss falls.
 Data:      text files (one document each) or .jsonl files (field `text`), comma-separated globs.
 """
