@@ -88,6 +88,47 @@ def log_mel(
   return ((log_spec + 4.0) / 4.0).astype(np.float32)
 
 
+def change_speed(audio: np.ndarray, factor: float, *, steps: int = 100) -> np.ndarray:
+  """`audio` played `factor` times as fast: resampled (polyphase, scipy's resample_poly) to
+  len / factor samples, so its pitch and formants rise by `factor` as its tempo does, as tape
+  played fast (Kaldi's speed perturbation, Ko et al. 2015). The factor is rounded to a ratio of
+  whole numbers over `steps` (1.137 -> 114 / 100)."""
+  from scipy.signal import resample_poly
+
+  if factor <= 0:
+    raise UserError(f"A speed factor must be positive, not {factor}.")
+  down = int(round(factor * steps))
+  if down == steps:
+    return np.asarray(audio, np.float32)
+  return resample_poly(np.asarray(audio, np.float64), steps, down).astype(np.float32)
+
+
+def spec_augment(
+  features_TC: np.ndarray,
+  rng: np.random.Generator,
+  *,
+  time_masks: int = 2,
+  max_time: int = 20,
+  freq_masks: int = 2,
+  max_freq: int = 10,
+) -> np.ndarray:
+  """SpecAugment's masks (Park et al. 2019, without time warping) on log-mel features [T, C]:
+  `time_masks` runs of 0..max_time frames and `freq_masks` bands of 0..max_freq bins, each
+  of a width drawn uniformly and at a uniform place, set to the features' mean. A new array."""
+  out = np.array(features_TC, copy=True)
+  fill = out.mean()
+  for count, most, axis in ((time_masks, max_time, 0), (freq_masks, max_freq, 1)):
+    size = out.shape[axis]
+    for _ in range(count):
+      width = int(rng.integers(0, min(most, size) + 1))
+      start = int(rng.integers(0, size - width + 1))
+      if axis == 0:
+        out[start : start + width] = fill
+      else:
+        out[:, start : start + width] = fill
+  return out
+
+
 def read_wav(path: str, *, sample_rate: int = SAMPLE_RATE, max_seconds: float | None = None):
   """Mono float32 samples in [-1, 1] of a WAV file at `sample_rate`: other rates are resampled
   (polyphase, scipy's resample_poly), several channels averaged. A file longer than

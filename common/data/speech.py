@@ -60,8 +60,13 @@ def config(**kw) -> ml_collections.ConfigDict:
   digits, each by a voice (accent + variant) at a speed (words a minute) and pitch (0-99) drawn
   uniformly from the ranges; `heldout_every`: every n-th variant is held out (the eval split's
   voices); `seconds`: the audio window (cut beyond), `mels`: log-mel bins; augmentation of
-  training audio: a random start of up to `max_delay` s and noise at `snr_db` (low, high)
-  decibels; `cache`: the directory of generated audio ("" = ~/.cache/nnx-zoo/spoken-digits)."""
+  training audio, drawn anew each time an utterance is seen: played faster or slower by a factor
+  drawn from `speed_perturb` (low, high), pitch and formants moving with it
+  (audio.change_speed; (1, 1): off), a random start of up to `max_delay` s, noise at `snr_db`
+  (low, high) decibels, then SpecAugment's masks on the log-mels: `time_masks` runs of up to
+  `time_mask_frames` frames and `freq_masks` bands of up to `freq_mask_bins` bins
+  (audio.spec_augment; 0 masks: off); `cache`: the directory of generated audio
+  ("" = ~/.cache/nnx-zoo/spoken-digits)."""
   c = dict(
     kind="spoken_digits",
     seed=0,
@@ -76,6 +81,11 @@ def config(**kw) -> ml_collections.ConfigDict:
     mels=80,
     max_delay=0.3,
     snr_db=(15.0, 40.0),
+    speed_perturb=(1.0, 1.0),
+    time_masks=0,
+    time_mask_frames=0,
+    freq_masks=0,
+    freq_mask_bins=0,
     cache="",
   )
   unknown = set(kw) - set(c)
@@ -227,24 +237,33 @@ def load_split(cfg, split: str) -> Split:
 
 
 def train_iterator(source: Split, cfg, *, batch_size: int, seed: int) -> grain.DatasetIterator:
-  """Endless shuffled batches of augmented training audio (a random delay, noise at a random
-  SNR), drawn per position in the stream, so a restored iterator draws the same."""
+  """Endless shuffled batches of augmented training audio (a random speed, delay and noise
+  level, then SpecAugment's masks; see `config`), drawn per position in the stream, so a
+  restored iterator draws the same."""
   if len(source) < batch_size:
     raise UserError(f"{len(source)} utterances are fewer than train.batch_size={batch_size}.")
   frames = int(round(cfg.seconds * 100))
 
   def draw(example, rng: np.random.Generator):
     i = example["clip"]
-    clip = source.clips[i]
+    clip = audio.change_speed(source.clips[i], rng.uniform(*cfg.speed_perturb))
+    power = np.mean(np.square(clip)) + 1e-12
     delay = int(rng.uniform(0, cfg.max_delay) * audio.SAMPLE_RATE)
     clip = np.concatenate([np.zeros(delay, np.float32), clip])
     snr = rng.uniform(*cfg.snr_db)
-    power = np.mean(np.square(source.clips[i])) + 1e-12
     clip = clip + rng.standard_normal(len(clip)).astype(np.float32) * np.sqrt(
       power / 10 ** (snr / 10)
     )
+    inputs = audio.spec_augment(
+      features(cfg, clip),
+      rng,
+      time_masks=cfg.time_masks,
+      max_time=cfg.time_mask_frames,
+      freq_masks=cfg.freq_masks,
+      max_freq=cfg.freq_mask_bins,
+    )
     return {
-      "inputs": features(cfg, clip),
+      "inputs": inputs,
       "input_segment_ids": np.ones(frames, np.int32),
       "targets": source.targets[i],
       "target_segment_ids": source.target_segment_ids[i],

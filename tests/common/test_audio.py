@@ -60,3 +60,45 @@ def test_read_wav_scales_and_resamples(tmp_path):
   (tmp_path / "c.wav").write_text("not audio")
   with pytest.raises(UserError, match="as a WAV file"):
     audio.read_wav(str(tmp_path / "c.wav"))
+
+
+@pytest.mark.parametrize("factor", [0.85, 1.0, 1.15])
+def test_change_speed_scales_length_and_pitch(factor):
+  """A 300 Hz tone played `factor` times as fast: len / factor samples at 300 * factor Hz."""
+  rate, seconds = 16_000, 2.0
+  x = np.sin(2 * np.pi * 300 * np.arange(int(seconds * rate)) / rate).astype(np.float32)
+  got = audio.change_speed(x, factor)
+  assert got.dtype == np.float32 and abs(len(got) - len(x) / factor) <= 1
+  n = len(got) - 400  # away from the edges, which ring
+  spectrum = np.abs(np.fft.rfft(got[200:-200] * np.hanning(n)))
+  peak_hz = np.argmax(spectrum) * rate / n
+  assert abs(peak_hz - 300 * factor) < 2
+  want = np.sin(2 * np.pi * 300 * factor * np.arange(len(got)) / rate)
+  np.testing.assert_allclose(got[400:-400], want[400:-400], atol=2e-2)
+  with pytest.raises(UserError, match="positive"):
+    audio.change_speed(x, 0.0)
+
+
+def test_spec_augment_masks():
+  features = np.random.default_rng(0).standard_normal((300, 80)).astype(np.float32)
+  kw = dict(time_masks=2, max_time=10, freq_masks=3, max_freq=15)
+  got = audio.spec_augment(features, np.random.default_rng(1), **kw)
+  again = audio.spec_augment(features, np.random.default_rng(1), **kw)
+  np.testing.assert_array_equal(got, again)  # the masks come from the rng alone
+  assert got.shape == features.shape and got.dtype == np.float32
+  masked = got != features  # the input is left as it was; masks hold its mean
+  np.testing.assert_allclose(got[masked], features.mean(), rtol=1e-6)
+  rows = masked.all(axis=1).sum()  # masked frames: all their bins changed
+  cols = masked.all(axis=0).sum()  # masked bins: all their frames changed
+  assert 0 < rows <= 2 * 10 and 0 < cols <= 3 * 15
+  # Every changed cell is in a masked row or column (nothing else touched).
+  assert (masked == (masked.all(axis=1)[:, None] | masked.all(axis=0)[None, :])).all()
+  # Over many draws the widths cover 0..max and never exceed it.
+  widths = set()
+  for seed in range(200):
+    m = audio.spec_augment(features, np.random.default_rng(seed), time_masks=1, max_time=4,
+                           freq_masks=0, max_freq=15) != features  # fmt: skip
+    widths.add(int(m.all(axis=1).sum()))
+  assert widths == {0, 1, 2, 3, 4}
+  off = audio.spec_augment(features, np.random.default_rng(0), time_masks=0, freq_masks=0)
+  np.testing.assert_array_equal(off, features)

@@ -65,6 +65,26 @@ def test_batches(tmp_path):
     assert speech.decode(row) == text
 
 
+@needs_espeak
+def test_augmented_batches(tmp_path):
+  """Speed perturbation and SpecAugment: the same draws for the same seed, other inputs than
+  without them, the same targets; masked frames and bins hold one value."""
+  cfg = small(tmp_path)
+  aug = small(tmp_path, speed_perturb=(0.85, 1.15), time_masks=2, time_mask_frames=10,
+              freq_masks=2, freq_mask_bins=15)  # fmt: skip
+  train = speech.load_split(cfg, "train")
+  plain = next(speech.train_iterator(train, cfg, batch_size=4, seed=0))
+  batch = next(speech.train_iterator(train, aug, batch_size=4, seed=0))
+  again = next(speech.train_iterator(train, aug, batch_size=4, seed=0))
+  np.testing.assert_array_equal(batch["inputs"], again["inputs"])
+  np.testing.assert_array_equal(batch["targets"], plain["targets"])
+  assert batch["inputs"].shape == plain["inputs"].shape
+  assert not np.allclose(batch["inputs"], plain["inputs"])
+  for x in batch["inputs"]:
+    bins = np.flatnonzero(np.ptp(x, axis=0) == 0)  # a masked bin is constant over time
+    assert 0 < len(bins) <= 30
+
+
 def test_word_errors_and_decode():
   assert speech.word_errors("one two three", "one two three") == 0
   assert speech.word_errors("one too three", "one two three") == 1  # a substitution
