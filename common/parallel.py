@@ -187,6 +187,17 @@ def check_fits(
     )
 
 
+def check_experiment(cfg, sizes: dict[str, int]):
+  """`check_fits` for an experiment's config: its model, batch, micro-batches and row length."""
+  check_fits(
+    cfg.model,
+    sizes,
+    cfg.train.batch_size,
+    cfg.train.micro_batches,
+    seq_len=cfg.data.get("seq_len", 0),
+  )
+
+
 # What the shared layers call. Outside a sharded step `_ACTIVE` is None and all are no-ops.
 
 _ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("layout", default=None)

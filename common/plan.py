@@ -342,13 +342,7 @@ def plan(cfg, topology: str | Topology, *, estimate_time: bool = True) -> dict:
   topo = topology if isinstance(topology, Topology) else parse_topology(topology)
   devs = devices(topo)
   sizes = mesh.resolve(cfg.mesh, len(devs))
-  parallel.check_fits(
-    cfg.model,
-    sizes,
-    cfg.train.batch_size,
-    cfg.train.micro_batches,
-    seq_len=cfg.data.get("seq_len", 0),
-  )
+  parallel.check_experiment(cfg, sizes)
   # Always a mesh, even of one device: without one the step would be placed on this machine's
   # own default device (the CPU), not on the slice.
   layout = parallel.make_layout(sizes, devs)
