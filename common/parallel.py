@@ -212,6 +212,24 @@ def active(layout: Layout | None):
     _ACTIVE.reset(token)
 
 
+def token_sum(tree):
+  """The global sums of per-device sums over tokens (each array of `tree`): psum over the axes
+  the batch's tokens are split over (the batch axes, and context where the rows are split:
+  an array varies over those)."""
+  return jax.tree.map(lambda x: jax.lax.psum(x, _token_axes_of(x)), tree)
+
+
+def token_mean(tree):
+  """`token_sum`'s means over the devices (each holding as many tokens)."""
+  return jax.tree.map(lambda x: jax.lax.pmean(x, _token_axes_of(x)), tree)
+
+
+def _token_axes_of(x) -> tuple[str, ...]:
+  """TOKEN_AXES but context when `x` does not vary over it (images, or rows not split: each
+  context device then computed the same value, and summing would count it context times)."""
+  return tuple(a for a in TOKEN_AXES if a != "context" or a in varying(x))
+
+
 def context_order(length: int, context: int) -> np.ndarray:
   """The order a row's `length` tokens are laid out in over `context` devices: cut into
   2 x context chunks, device c holds chunk c and chunk 2 x context - 1 - c, so under a causal

@@ -151,7 +151,11 @@ class Checkpoints:
 
 
 def _params(state):
-  return state["params"] if isinstance(state, dict) else state.params
+  """The model's weights in a (partial) train state: its params, or a `train.ema` run's
+  average where only that is asked for."""
+  if isinstance(state, dict):
+    return state["params"] if "params" in state else state["ema"]
+  return state.params
 
 
 def has_steps(workdir: str) -> bool:

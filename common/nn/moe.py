@@ -131,7 +131,7 @@ def psum_batch(x: jax.Array) -> jax.Array:
   """The sum over the batch shards inside a sharded step (the global sum); x outside one."""
   if parallel._ACTIVE.get() is None:
     return x
-  return jax.lax.psum(x, parallel.TOKEN_AXES)
+  return parallel.token_sum(x)
 
 
 def route(logits_NE: jax.Array, *, top_k: int, norm_topk_prob: bool):

@@ -119,9 +119,9 @@ def sharded_sums_and_grads(
     with parallel.active(layout):
       sums, grads = sums_and_grads(params, batch, graphdef=graphdef, frozen=frozen, **kw)
     sums = {
-      "total": jax.lax.psum(sums["total"], parallel.TOKEN_AXES),
-      "count": jax.lax.psum(sums["count"], parallel.TOKEN_AXES),
-      "aux": jax.tree.map(lambda v: jax.lax.pmean(v, parallel.TOKEN_AXES), sums["aux"]),
+      "total": parallel.token_sum(sums["total"]),
+      "count": parallel.token_sum(sums["count"]),
+      "aux": jax.tree.map(parallel.token_mean, sums["aux"]),
     }
     return sums, grads
 

@@ -355,7 +355,8 @@ BIAS = {"use_bias": True, "activation": "gelu", "top_k": 3}
 for impl, sizes, kw in (("blocked", (1, 2, 1, 2), {}), ("ragged", (2, 2, 1, 1), {}),
                         ("blocked", (1, 1, 2, 2), {}), ("ragged", (1, 2, 2, 1), {}),
                         ("loop", (2, 1, 2, 1), {}), ("blocked", (1, 2, 2, 1), BIAS)):
-  layout = parallel.make_layout(dict(zip(parallel.AXES, sizes)), jax.devices()[:4])
+  axes = ("data", "fsdp", "expert", "tensor")
+  layout = parallel.make_layout(dict(zip(axes, sizes, strict=True)), jax.devices()[:4])
   fn, params = value_and_grads(impl, layout, **kw)
   ref, gref = value_and_grads("blocked", **kw)[0](params, x, dy, mask)
   got, g = fn(params, x, dy, mask)

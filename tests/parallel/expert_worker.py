@@ -13,7 +13,6 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from nnx_zoo.common import experiments, models, parallel  # noqa: E402
-from nnx_zoo.common.mesh import AXES  # noqa: E402
 from nnx_zoo.common.nn import memory  # noqa: E402
 from nnx_zoo.common.train import optim  # noqa: E402
 from nnx_zoo.common.train import step as steps  # noqa: E402
@@ -55,7 +54,8 @@ def main(exp: str):
   # The MoE in a scanned body.
   runs.append(("(1, 2, 2, 2) scan", (1, 2, 2, 2), scan_graphdef, scan_params))
   for name, sizes, gd, run_params in runs:
-    layout = parallel.make_layout(dict(zip(AXES, sizes, strict=True)))
+    axes = ("data", "fsdp", "expert", "tensor")
+    layout = parallel.make_layout(dict(zip(axes, sizes, strict=True)))
     params = jax.device_put(run_params, layout.shardings(layout.param_specs(run_params)))
     fn = jax.jit(
       lambda p, b, layout=layout, gd=gd: steps.sharded_sums_and_grads(
