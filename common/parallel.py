@@ -261,6 +261,13 @@ def token_index(local_length: int) -> jax.Array:
   return order[jax.lax.axis_index("context")]
 
 
+def row_index(local_length: int) -> jax.Array:
+  """The index in its row of each token of the whole row as `gather_context` assembles it
+  (`context_order` itself: a constant, no collective needed)."""
+  context = context_size()
+  return jnp.asarray(context_order(local_length * context, context))
+
+
 def context_size() -> int:
   layout = _ACTIVE.get()
   return 1 if layout is None else layout.sizes.get("context", 1)

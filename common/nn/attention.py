@@ -626,7 +626,7 @@ class Attention(nnx.Module):
     if context:  # this device's tokens of the row; the keys and values of the whole row
       k_BSKH, v_BSKH = parallel.gather_context(k_BTKH), parallel.gather_context(v_BTKH)
       q_idx_T = parallel.token_index(T)
-      k_idx_S = parallel.gather_context(q_idx_T, axis=0)
+      k_idx_S = parallel.row_index(T)
       k_seg_BS = parallel.gather_context(segment_ids_BT)
       k_pos_BS = parallel.gather_context(positions_BT)
     elif cache is None:
