@@ -9,11 +9,13 @@ after a newer one is complete. A step whose files are damaged is found at restor
 `<step>.damaged`, and the newest good one used instead.
 """
 
+import dataclasses
 import os
 import shutil
 
 import grain
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -59,9 +61,28 @@ class Checkpoints:
 
     The layers are converted to the layout of `abstract_state` where the step stores them
     otherwise (`model.scan` stacks them, common/nn/memory.py): a checkpoint of a scanned run
-    restores into an unscanned model and the reverse, optimizer moments included."""
+    restores into an unscanned model and the reverse, optimizer moments included.
+
+    A train state whose `ema` (train.ema) the step was saved without gets one that starts at
+    the restored weights; one saved with an average that the state has none for drops it."""
+    paths = self._saved_paths(step)
+    saved_ema = any(p[0] == "ema" for p in paths)
+    if dataclasses.is_dataclass(abstract_state) and paths:
+      wanted = abstract_state.ema is not None
+      if saved_ema != wanted:  # train.ema turned on or off since the step was saved
+        as_saved = dataclasses.replace(
+          abstract_state, ema=abstract_state.params if saved_ema else None
+        )
+        state = self.restore(step, as_saved, data_iterator=data_iterator)
+        if wanted:
+          warn(
+            f"train.ema is on and step {step} has no average: it starts at the restored weights."
+          )
+          return dataclasses.replace(state, ema=jax.tree.map(jnp.copy, state.params))
+        warn(f"Step {step} holds a moving average of the weights that train.ema=0 drops.")
+        return dataclasses.replace(state, ema=None)
     want = memory.layouts(k for k, _ in nnx.to_flat_state(_params(abstract_state)))
-    have = self._layouts(step)
+    have = memory.layouts(p[1:] for p in paths if p and p[0] == "params")
     target = abstract_state if have == want else memory.relayout(abstract_state, have)
     if isinstance(target, dict):
       restore_args = ocp.checkpoint_utils.construct_restore_args(target)
@@ -82,19 +103,18 @@ class Checkpoints:
       abstract_state,
     )
 
-  def _layouts(self, step: int) -> dict:
-    """The stacks the params of `step` store stacked (`memory.layouts`), read from its tree."""
+  def _saved_paths(self, step: int) -> list[tuple]:
+    """The path of every array the state of `step` holds, read from its tree (none when the
+    tree does not read: restoring it says why)."""
     path = os.path.join(self.path, str(step), "state")
     try:
       tree = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
     except Exception:  # damaged: restoring it says so
-      return {}
-    paths = [
-      tuple(int(k) if k.isdigit() else k for k in (str(getattr(e, "key", e)) for e in p[1:]))
+      return []
+    return [
+      tuple(int(k) if k.isdigit() else k for k in (str(getattr(e, "key", e)) for e in p))
       for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
-      if p and str(getattr(p[0], "key", "")) == "params"
     ]
-    return memory.layouts(paths)
 
   def meta(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta

@@ -483,6 +483,35 @@ def test_resume_with_ema_is_exact(ema_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_train_ema_turned_on_or_off_at_resume(reference, ema_run, tmp_path):
+  """A run saved without train.ema resumes with it, its average starting at the restored
+  weights; one saved with it resumes without it, the average dropped. Training is that of the
+  uninterrupted run either way (the average never feeds back)."""
+  cfg = smoke_config(EMA)
+  on = str(tmp_path / "on")
+  trainer.train(smoke_config({"train.steps": "4"}), on, progress=False)
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  ckpts = checkpoint.Checkpoints(on, read_only=True)
+  try:
+    state = ckpts.restore(4, steps.placed_abstract_state(cfg, tx, None)[0])
+  finally:
+    ckpts.close()
+  assert_params_equal(state.ema, state.params)
+  trainer.train(cfg, on, progress=False)
+  assert train_losses(on) == train_losses(reference)
+  saved = saved_weights(cfg, on)  # step 6 holds the average, and readers take it
+  assert_params_equal(weights.restore_params(cfg, on)[1], saved["ema"])
+
+  off = str(tmp_path / "off")
+  trainer.train(smoke_config({**EMA, "train.steps": "4"}), off, progress=False)
+  trainer.train(smoke_config(), off, progress=False)
+  assert train_losses(off) == train_losses(reference)
+  assert_params_equal(
+    weights.restore_params(smoke_config(), off)[1], saved_weights(cfg, on)["params"]
+  )
+
+
+@pytest.mark.slow
 def test_resume_and_load_across_scan(reference, tmp_path):
   """model.scan stores the layers stacked: a run saved scanned resumes unscanned (params and
   AdamW moments converted) with the losses of the uninterrupted run, and each setting loads
