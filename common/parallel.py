@@ -140,6 +140,33 @@ def make_layout(sizes: dict[str, int], devices=None) -> Layout:
   return Layout(mesh, dict(RULES))
 
 
+def process_block(layout: Layout, spec: P, shape: tuple[int, ...]) -> tuple[slice, ...]:
+  """The block of a global array of `shape` split as `spec` that this process's devices hold:
+  what the process feeds of it (`jax.make_array_from_process_local_data`). Processes whose
+  devices hold the same rows (a row split over `context` or `tensor` across hosts) get the same
+  rows."""
+  indices = NamedSharding(layout.mesh, spec).addressable_devices_indices_map(tuple(shape))
+  block = []
+  for dim, n in enumerate(shape):
+    spans = {
+      (i[dim].start or 0, n if i[dim].stop is None else i[dim].stop) for i in indices.values()
+    }
+    lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+    if sum(e - s for s, e in spans) != hi - lo:
+      raise ValueError(
+        f"This process's devices hold pieces {sorted(spans)} of dim {dim} of an array split as "
+        f"{spec} over {layout.sizes}, not one block: order the mesh's devices by process."
+      )
+    block.append(slice(lo, hi))
+  return tuple(block)
+
+
+def process_rows(layout: Layout | None, batch_size: int) -> slice | None:
+  """The rows of a global batch of `batch_size` that this process's devices hold (None without
+  a mesh: the one device holds them all)."""
+  return None if layout is None else process_block(layout, layout.batch_spec, (batch_size,))[0]
+
+
 def check_fits(
   model_cfg, sizes: dict[str, int], batch_size: int, micro_batches: int = 1, seq_len: int = 0
 ):

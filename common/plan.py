@@ -253,8 +253,9 @@ def _bytes(value: str, unit: str) -> int:
 
 def abstract_batch(cfg, layout) -> dict:
   """The batch the step takes, as `zoo run` feeds it (common/data/), split over the batch axes:
-  packed text rows [B, seq_len + 1] (tokens, segment ids); labelled text rows [B, seq_len] and
-  labels [B]; images [B, H, W, C] float32, labels and weights [B]."""
+  packed text rows [B, seq_len + 1] (tokens, segment ids; under `mesh.context` their next-token
+  rows [B, seq_len], split over it too, as `step.put_batch` makes them); labelled text rows
+  [B, seq_len] and labels [B]; images [B, H, W, C] float32, labels and weights [B]."""
   import jax
 
   from nnx_zoo.common.data import images, pipeline
@@ -275,6 +276,17 @@ def abstract_batch(cfg, layout) -> dict:
     }
   elif kind in pipeline.KINDS:
     shapes = {k: ((B, cfg.data.seq_len + 1), np.int32) for k in ("tokens", "segment_ids")}
+    if layout.sizes.get("context", 1) > 1:  # their next-token rows, split over context
+      from nnx_zoo.common.train import losses
+
+      whole = {k: jax.ShapeDtypeStruct(*v) for k, v in shapes.items()}
+      sharding = jax.sharding.NamedSharding(layout.mesh, layout.token_spec)
+      rows = jax.eval_shape(losses.next_token_rows, whole)
+      return {
+        "next_token": {
+          k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in rows.items()
+        }
+      }
   else:
     raise UserError(f"`zoo plan` does not know the batches of data.kind {kind!r} yet.")
   sharding = jax.sharding.NamedSharding(layout.mesh, layout.batch_spec)

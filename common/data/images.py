@@ -184,6 +184,7 @@ def train_iterator(
   num_captions: int = 0,
   caption_tokens: np.ndarray | None = None,
   then: Callable | None = None,
+  share: slice | None = None,
 ) -> grain.DatasetIterator:
   """Endless shuffled global batches (reshuffled each epoch), this process's share of each.
   augment="shift" moves each image by up to max_shift pixels each way, "affine" also rotates it
@@ -225,17 +226,19 @@ def train_iterator(
         out["text"] = caption_tokens[example["labels"], out["captions"]]
     return out if then is None else then(out, rng)
 
-  return pipeline.shuffled_batches(source, batch_size=batch_size, seed=seed, draw=draw)
+  return pipeline.shuffled_batches(source, batch_size=batch_size, seed=seed, draw=draw, share=share)
 
 
-def eval_batches(source: Images, *, batch_size: int, max_batches: int = 0):
+def eval_batches(source: Images, *, batch_size: int, max_batches: int = 0, share=None):
   """The held-out images in order, never augmented; the last batch padded with weight-0 rows."""
   arrays = {
     "images": source.images,
     "labels": source.labels,
     "weights": np.ones(len(source), np.float32),
   }
-  return pipeline.padded_batches(arrays, batch_size=batch_size, max_batches=max_batches)
+  return pipeline.padded_batches(
+    arrays, batch_size=batch_size, max_batches=max_batches, share=share
+  )
 
 
 # Captions (CLIP)

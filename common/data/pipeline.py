@@ -317,8 +317,12 @@ def check_lengths(docs: list[str], docs_tokens: list[np.ndarray], cfg, split: st
         )
 
 
-def process_slice(batch_size: int) -> slice:
-  """The rows of a global batch this process feeds."""
+def process_slice(batch_size: int, share: slice | None = None) -> slice:
+  """The rows of a global batch this process feeds: `share` where the trainer gives one (the
+  rows its devices hold, `parallel.process_rows`: the same rows for processes that split them),
+  else an equal block per process."""
+  if share is not None:
+    return share
   count, index = jax.process_count(), jax.process_index()
   if batch_size % count:
     raise UserError(
@@ -330,15 +334,21 @@ def process_slice(batch_size: int) -> slice:
 
 
 def shuffled_batches(
-  source, *, batch_size: int, seed: int, draw: Callable | None = None, draw_seed: int | None = None
+  source,
+  *,
+  batch_size: int,
+  seed: int,
+  draw: Callable | None = None,
+  draw_seed: int | None = None,
+  share: slice | None = None,
 ) -> grain.DatasetIterator:
   """Endless shuffled global batches of `source`'s examples (reshuffled each epoch), this
   process's share of each: what every data kind trains on. `draw(example, rng) -> example`, if
   given, runs on each example with a random stream fixed by (draw_seed, its position in the
   endless stream), so each epoch draws anew and a restored iterator (grain's state, saved in the
   checkpoints) draws the same; draw_seed defaults to one derived from `seed`, apart from the
-  shuffle's."""
-  share = process_slice(batch_size)
+  shuffle's. `share`: see `process_slice`."""
+  share = process_slice(batch_size, share)
   ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat()
   if draw is not None:
     if draw_seed is None:
@@ -351,7 +361,12 @@ def shuffled_batches(
 
 
 def padded_batches(
-  arrays: dict[str, np.ndarray], *, batch_size: int, max_batches: int = 0, pad: dict | None = None
+  arrays: dict[str, np.ndarray],
+  *,
+  batch_size: int,
+  max_batches: int = 0,
+  pad: dict | None = None,
+  share: slice | None = None,
 ):
   """Held-out `arrays` (one row per example) in order, batch by batch, this process's share of
   each: what every data kind evaluates on. The last batch is padded with zeros (a weight, a
@@ -360,7 +375,7 @@ def padded_batches(
   starts = range(0, n, batch_size)
   if max_batches:
     starts = list(starts)[:max_batches]
-  share = process_slice(batch_size)
+  share = process_slice(batch_size, share)
   for start in starts:
     batch = {k: v[start : start + batch_size] for k, v in arrays.items()}
     short = batch_size - len(next(iter(batch.values())))
@@ -372,16 +387,18 @@ def padded_batches(
     yield {k: v[share] for k, v in batch.items()}
 
 
-def train_iterator(rows: Rows, *, batch_size: int, seed: int) -> grain.DatasetIterator:
+def train_iterator(
+  rows: Rows, *, batch_size: int, seed: int, share: slice | None = None
+) -> grain.DatasetIterator:
   """Endless shuffled global batches (reshuffled each epoch), this process's share of each."""
   if len(rows) < batch_size:
     raise UserError(
       f"The training data has {len(rows)} rows of seq_len + 1 tokens, fewer than "
       f"train.batch_size={batch_size}: give more text or lower the batch size."
     )
-  return shuffled_batches(rows, batch_size=batch_size, seed=seed)
+  return shuffled_batches(rows, batch_size=batch_size, seed=seed, share=share)
 
 
-def eval_batches(rows: Rows, *, batch_size: int, max_batches: int = 0):
+def eval_batches(rows: Rows, *, batch_size: int, max_batches: int = 0, share=None):
   """The held-out rows in order, the last batch padded with segment 0 (masked from the loss)."""
-  return padded_batches(rows.packed, batch_size=batch_size, max_batches=max_batches)
+  return padded_batches(rows.packed, batch_size=batch_size, max_batches=max_batches, share=share)

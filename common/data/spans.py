@@ -230,7 +230,7 @@ def load_split(cfg, split: str, tokenizer) -> pipeline.Rows | None:
   return pipeline.Rows({k: np.stack([p[k] for p in pairs]) for k in pairs[0]}, name)
 
 
-def train_iterator(rows: pipeline.Rows, *, batch_size: int, seed: int, corrupt):
+def train_iterator(rows: pipeline.Rows, *, batch_size: int, seed: int, corrupt, share=None):
   """Endless shuffled global batches of corrupted rows, this process's share of each: a row's
   corruption is drawn from (seed, its index in the endless stream), so each epoch masks other
   spans, and a resumed run (grain's iterator state) sees the same ones."""
@@ -242,7 +242,7 @@ def train_iterator(rows: pipeline.Rows, *, batch_size: int, seed: int, corrupt):
   draw = lambda row, rng: corrupt(row["tokens"], rng)
   # draw_seed=seed, as before the shared pipeline: the spans of runs written earlier stay theirs.
   return pipeline.shuffled_batches(
-    rows, batch_size=batch_size, seed=seed, draw=draw, draw_seed=seed
+    rows, batch_size=batch_size, seed=seed, draw=draw, draw_seed=seed, share=share
   )
 
 

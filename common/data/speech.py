@@ -236,7 +236,9 @@ def load_split(cfg, split: str) -> Split:
   return out
 
 
-def train_iterator(source: Split, cfg, *, batch_size: int, seed: int) -> grain.DatasetIterator:
+def train_iterator(
+  source: Split, cfg, *, batch_size: int, seed: int, share: slice | None = None
+) -> grain.DatasetIterator:
   """Endless shuffled batches of augmented training audio (a random speed, delay and noise
   level, then SpecAugment's masks; see `config`), drawn per position in the stream, so a
   restored iterator draws the same."""
@@ -269,10 +271,10 @@ def train_iterator(source: Split, cfg, *, batch_size: int, seed: int) -> grain.D
       "target_segment_ids": source.target_segment_ids[i],
     }
 
-  return pipeline.shuffled_batches(source, batch_size=batch_size, seed=seed, draw=draw)
+  return pipeline.shuffled_batches(source, batch_size=batch_size, seed=seed, draw=draw, share=share)
 
 
-def eval_batches(source: Split, *, batch_size: int, max_batches: int = 0):
+def eval_batches(source: Split, *, batch_size: int, max_batches: int = 0, share=None):
   """The held-out utterances in order (no augmentation); the last batch padded with rows whose
   targets are all padding (weight 0)."""
   arrays = {
@@ -283,7 +285,9 @@ def eval_batches(source: Split, *, batch_size: int, max_batches: int = 0):
   }
   # Padded rows' audio: silence that the encoder sees as one segment; their targets: none.
   pad = {"input_segment_ids": 1}
-  return pipeline.padded_batches(arrays, batch_size=batch_size, max_batches=max_batches, pad=pad)
+  return pipeline.padded_batches(
+    arrays, batch_size=batch_size, max_batches=max_batches, pad=pad, share=share
+  )
 
 
 def transcribe(model_or_split, features_BTC: np.ndarray, *, max_words: int) -> list[str]:

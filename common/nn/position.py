@@ -372,14 +372,19 @@ def make(
   )
 
 
-def positions_from_segments(segment_ids_BT: jax.Array) -> jax.Array:
-  """Each token's index within its own segment, so packed documents all start at position 0."""
+def positions_from_segments(segment_ids_BT):
+  """Each token's index within its own segment, so packed documents all start at position 0 (a
+  NumPy array for NumPy ids: the host prepares the rows the context split feeds)."""
   B, T = segment_ids_BT.shape
-  idx_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
-  is_start = jnp.concatenate(
-    [jnp.ones((B, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1
+  if isinstance(segment_ids_BT, np.ndarray):
+    xp, cummax = np, np.maximum.accumulate
+  else:
+    xp, cummax = jnp, jax.lax.cummax
+  idx_BT = xp.broadcast_to(xp.arange(T, dtype=xp.int32), (B, T))
+  is_start = xp.concatenate(
+    [xp.ones((B, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1
   )
-  start_BT = jax.lax.cummax(jnp.where(is_start, idx_BT, 0), axis=1)
+  start_BT = cummax(xp.where(is_start, idx_BT, 0), axis=1)
   return idx_BT - start_BT
 
 

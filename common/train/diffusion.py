@@ -110,8 +110,9 @@ def eval_batches(cfg, num_classes: int, batches):
   """`batches` (an image data kind's eval_batches) noised with a fixed stream per batch, labels
   kept: the held-out loss is comparable across evaluations."""
 
-  def noised(source, *, batch_size: int, max_batches: int = 0):
-    for i, batch in enumerate(batches(source, batch_size=batch_size, max_batches=max_batches)):
+  def noised(source, *, batch_size: int, max_batches: int = 0, share=None):
+    held_out = batches(source, batch_size=batch_size, max_batches=max_batches, share=share)
+    for i, batch in enumerate(held_out):
       rng = np.random.default_rng([cfg.eval_seed, i])
       yield noise_example(batch, rng, cfg=cfg, num_classes=num_classes, drop=False)
 

@@ -18,6 +18,7 @@ device handles its slice of the vocab and the softmax is assembled as in
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -140,7 +141,8 @@ def next_token_rows(batch: dict) -> dict:
   `targets` (the next tokens), `segment_ids` and `positions` (each input's index in its own
   document) and `weights` [B, T]. A target counts only when it continues the segment of its
   input (no predicting across a document boundary) and is not padding. Computed from whole
-  rows, so the sharded step can then split every one of them over `mesh.context`."""
+  rows, so that they can then be split over `mesh.context` (NumPy in, NumPy out: the host makes
+  them for `step.put_batch`)."""
   tokens, segments = batch["tokens"], batch["segment_ids"]
   in_seg_BT = segments[:, :-1]
   return {
@@ -148,7 +150,7 @@ def next_token_rows(batch: dict) -> dict:
     "targets": tokens[:, 1:],
     "segment_ids": in_seg_BT,
     "positions": position.positions_from_segments(in_seg_BT),
-    "weights": ((segments[:, 1:] == in_seg_BT) & (in_seg_BT != 0)).astype(jnp.float32),
+    "weights": ((segments[:, 1:] == in_seg_BT) & (in_seg_BT != 0)).astype(np.float32),
   }
 
 

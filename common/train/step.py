@@ -8,6 +8,7 @@ batch's loss. `make_train_step` is the one jitted step `zoo run` runs (and `zoo 
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -88,8 +89,11 @@ def context_rows(batch: dict, layout: parallel.Layout) -> tuple[dict, dict]:
   """The batch as the sharded step splits it, and the PartitionSpec of each array: a language
   model's rows become their `next_token` rows (`losses.next_token_rows`, made from whole rows),
   laid out in `parallel.context_order` and split over `context` as well as the batch axes;
-  any other batch is split over the batch axes only, and refuses `mesh.context` > 1."""
+  any other batch is split over the batch axes only, and refuses `mesh.context` > 1. Made on
+  the host by `put_batch` (NumPy), or in the step from whole rows when it is given those."""
   context = layout.sizes.get("context", 1)
+  if "next_token" in batch:  # made already (put_batch)
+    return batch, {"next_token": {k: layout.token_spec for k in batch["next_token"]}}
   if set(batch) != {"tokens", "segment_ids"}:
     if context > 1:
       kind = "the images, labels or source/target pairs of this task"
@@ -204,6 +208,25 @@ def eval_step(params, batch: dict, *, graphdef, prompts=None) -> dict:
 # The state: fresh, abstract (shapes only) and placed on the mesh
 
 
+def sharded_eval_step(params, batch: dict, *, graphdef, layout: parallel.Layout) -> dict:
+  """`eval_step` of a language model's rows split over `mesh.context` (`context_rows`), under
+  shard_map as the train step runs: plain jit cannot split a row, whose attention gathers
+  across the split. Each device sums its tokens; the sums are over all devices."""
+  batch, batch_specs = context_rows(batch, layout)
+
+  def local(params, batch):
+    with parallel.active(layout):
+      return parallel.token_sum(eval_step(params, batch, graphdef=graphdef))
+
+  return jax.shard_map(
+    local,
+    mesh=layout.mesh,
+    in_specs=(layout.param_specs(params), batch_specs),
+    out_specs=parallel.P(),
+    check_vma=True,
+  )(params, batch)
+
+
 def init_state(cfg, tx) -> tuple[nnx.GraphDef, TrainState]:
   model = models.build(cfg.model, seed=cfg.seed)
   graphdef, params = nnx.split(model, nnx.Param)
@@ -233,11 +256,25 @@ def placed_abstract_state(cfg, tx, layout: parallel.Layout | None):
 
 
 def put_batch(batch: dict, layout: parallel.Layout | None) -> dict:
-  """This process's rows of the global batch, as global arrays split over data x fsdp."""
+  """The global batch from this process's rows of it (`parallel.process_rows`), each device
+  given its part only: rows split over the batch axes and, under `mesh.context`, a language
+  model's rows as their next-token rows (`context_rows`, made here on the host from the whole
+  rows) with each device's share of every row's tokens, so no device receives whole rows."""
   if layout is None:
     return batch
-  sharding = parallel.NamedSharding(layout.mesh, layout.batch_spec)
-  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+  batch, specs = context_rows(batch, layout)
+  # The global rows: this process holds `held` of the batch axes' `shards` blocks of rows.
+  shards = math.prod(layout.sizes[a] for a in parallel.BATCH_AXES)
+  held = parallel.process_block(layout, layout.batch_spec, (shards,))[0]
+  rows = len(jax.tree.leaves(batch)[0]) * shards // (held.stop - held.start)
+
+  def put(spec, x):
+    shape = (rows, *x.shape[1:])
+    block = parallel.process_block(layout, spec, shape)  # its rows are those of x
+    sharding = parallel.NamedSharding(layout.mesh, spec)
+    return jax.make_array_from_process_local_data(sharding, x[(slice(None), *block[1:])], shape)
+
+  return jax.tree.map(put, specs, batch, is_leaf=lambda s: isinstance(s, parallel.P))
 
 
 def make_train_step(cfg, *, tx, layout: parallel.Layout | None, shardings):

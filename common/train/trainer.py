@@ -43,7 +43,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   check_workdir(cfg, workdir)
 
   # Data: the pipeline of cfg.data.kind (text rows or images, see `load_data`)
-  data = load_data(cfg)
+  data = load_data(cfg, layout=layout)
   data_iter = data.iterator
 
   # State: restored (the newest step that restores; damaged newer ones are set aside), or fresh,
@@ -149,13 +149,20 @@ class Data:
   score: Callable[..., dict] | None = None
 
 
-def load_data(cfg, *, train: bool = True) -> Data:
+def load_data(cfg, *, train: bool = True, layout: parallel.Layout | None = None) -> Data:
   """The data of `cfg.data.kind`: the one place that picks a pipeline by data kind (text rows,
   common/data/pipeline.py; images, common/data/images.py, noised for a denoiser when the
   experiment has a `diffusion` section; span-corrupted source and target rows,
   common/data/spans.py; spoken audio and its words, common/data/speech.py). `train=False`: the
-  held-out split only (`zoo eval`)."""
+  held-out split only (`zoo eval`). Each process reads the rows of every batch that its devices
+  of `layout` hold (`parallel.process_rows`)."""
   batch_size = cfg.train.batch_size
+  share = parallel.process_rows(layout, batch_size)
+  data = _load_data(cfg, train, batch_size, share)
+  return dataclasses.replace(data, eval_batches=functools.partial(data.eval_batches, share=share))
+
+
+def _load_data(cfg, train: bool, batch_size: int, share: slice | None) -> Data:
   if cfg.data.kind in speech.KINDS:
     if cfg.model.vocab_size < speech.VOCAB_SIZE:
       raise UserError(
@@ -166,7 +173,11 @@ def load_data(cfg, *, train: bool = True) -> Data:
     iterator = None
     if train:
       iterator = speech.train_iterator(
-        speech.load_split(cfg.data, "train"), cfg.data, batch_size=batch_size, seed=cfg.seed
+        speech.load_split(cfg.data, "train"),
+        cfg.data,
+        batch_size=batch_size,
+        seed=cfg.seed,
+        share=share,
       )
 
     def score(graphdef, params):
@@ -194,6 +205,7 @@ def load_data(cfg, *, train: bool = True) -> Data:
         augment_prob=cfg.data.augment_prob,
         caption_tokens=images.caption_tokens(length) if length else None,
         then=then,
+        share=share,
       )
     prompts = images.encode_texts(images.class_prompts(), length) if length else None
     return Data(iterator, held_out, batches, 1, prompts)
@@ -213,6 +225,7 @@ def load_data(cfg, *, train: bool = True) -> Data:
         batch_size=batch_size,
         seed=cfg.seed,
         corrupt=spans.corrupter(cfg.data, tokenizer),
+        share=share,
       )
     held_out = spans.load_split(cfg.data, "eval", tokenizer)
     return Data(iterator, held_out, pipeline.eval_batches, cfg.data.seq_len)
@@ -225,7 +238,7 @@ def load_data(cfg, *, train: bool = True) -> Data:
   iterator = None
   if train:
     rows = pipeline.load_split(cfg.data, "train", tokenizer)
-    iterator = pipeline.train_iterator(rows, batch_size=batch_size, seed=cfg.seed)
+    iterator = pipeline.train_iterator(rows, batch_size=batch_size, seed=cfg.seed, share=share)
   held_out = pipeline.load_split(cfg.data, "eval", tokenizer)
   return Data(iterator, held_out, pipeline.eval_batches, cfg.data.seq_len)
 
@@ -260,8 +273,13 @@ def evaluate(params, data: Data, *, graphdef, cfg, layout: parallel.Layout | Non
   """Mean loss over the held-out rows (all of them unless train.eval_batches limits it), and a
   classifier's accuracy (CLIP's: zero-shot, by its class prompts).
 
-  Runs as plain jit over the global (sharded) arrays: XLA partitions it, no shard_map needed."""
-  step = jax.jit(functools.partial(steps.eval_step, graphdef=graphdef, prompts=data.prompts))
+  Runs as plain jit over the global (sharded) arrays: XLA partitions it, no shard_map needed;
+  but a mesh that splits rows over `context` runs it as the train step runs (shard_map), each
+  device given its share of every row."""
+  if layout is not None and layout.sizes.get("context", 1) > 1:
+    step = jax.jit(functools.partial(steps.sharded_eval_step, graphdef=graphdef, layout=layout))
+  else:
+    step = jax.jit(functools.partial(steps.eval_step, graphdef=graphdef, prompts=data.prompts))
   sums = {}
   for batch in data.eval_batches(
     data.eval, batch_size=cfg.train.batch_size, max_batches=cfg.train.eval_batches

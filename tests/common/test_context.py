@@ -11,6 +11,7 @@ import pytest
 from nnx_zoo.common import mesh, parallel
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import attention
+from nnx_zoo.common.train import losses
 from nnx_zoo.common.train import step as steps
 
 
@@ -115,3 +116,19 @@ def test_a_batch_that_is_not_token_rows_refuses_a_context_mesh():
   images = {"images": np.zeros((2, 8, 8, 1)), "labels": np.zeros(2, np.int32)}
   with pytest.raises(UserError, match="set mesh.context=1"):
     steps.context_rows(images, fake)
+
+
+def test_next_token_rows_made_on_the_host_equal_those_made_in_the_step():
+  """`step.put_batch` makes a context mesh's next-token rows with NumPy on the host; the step
+  makes them with jnp from whole rows. Same values, same dtypes."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 50, (3, 17)).astype(np.int32)
+  segments = np.array([[1] * 5 + [2] * 12, [1] * 17, [1] * 9 + [2] * 4 + [0] * 4], np.int32)
+  batch = {"tokens": tokens, "segment_ids": segments}
+  host = losses.next_token_rows(batch)
+  device = losses.next_token_rows(jax.tree.map(jnp.asarray, batch))
+  assert all(isinstance(v, np.ndarray) for v in host.values())
+  for k in device:
+    assert host[k].dtype == device[k].dtype, k
+    np.testing.assert_array_equal(host[k], np.asarray(device[k]), err_msg=k)
+  np.testing.assert_array_equal(host["positions"][2], [*range(9), 0, 1, 2, 3, 0, 1, 2])

@@ -99,6 +99,9 @@ def run(family: str, *, scan: bool, ring: bool) -> dict:
     )
     placed_batch = steps.put_batch(batch, layout)
     out[str(sizes)] = result(*fn(placed, placed_batch))
+    # What each device was fed: its share of the next-token rows, made on the host.
+    inputs = placed_batch["next_token"]["inputs"]
+    out[str(sizes)]["fed"] = sorted({tuple(s.data.shape) for s in inputs.addressable_shards})
     # How the layers attend across devices: the collectives in the lowered step.
     text = fn.lower(placed, placed_batch).as_text()
     out[str(sizes)]["collectives"] = {

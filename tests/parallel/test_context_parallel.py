@@ -41,6 +41,10 @@ def test_loss_aux_and_gradients_equal_single_device(results, name):
   ref = results.pop("single")
   assert len(results) >= 2
   for mesh, got in results.items():
+    # Each device is fed its rows' share of tokens only (step.put_batch), never whole rows.
+    data, fsdp, expert, context, _ = json.loads(mesh.replace("(", "[").replace(")", "]"))
+    B, T = (2, 1024) if name.endswith(":ring") else (4, 32)
+    assert got["fed"] == [[B // (data * fsdp * expert), T // context]], mesh
     assert got["count"] == ref["count"], mesh
     assert got["total"] == pytest.approx(ref["total"], rel=1e-5), mesh
     assert got["aux"].keys() == ref["aux"].keys(), mesh
@@ -67,19 +71,20 @@ def zoo_run(workdir, *, context: int, fsdp: int, steps: int, devices: int = 8):
   args += ["--config.mesh.data=1", "--config.mesh.tensor=1", f"--config.train.steps={steps}"]
   args += ["--config.train.batch_size=8", "--config.train.log_every=1", "--quiet"]
   args += ["--config.optim.schedule=constant", "--config.optim.warmup_steps=2"]
-  args += ["--config.train.eval_every=0"]
+  args += ["--config.train.eval_every=6"]  # held-out loss at the end of the 6-step runs
   proc = run(args, devices=devices)
   assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def losses(workdir) -> dict[int, float]:
+def losses(workdir, split=None) -> dict[int, float]:
   lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-  return {x["step"]: x["loss"] for x in lines if "split" not in x}
+  return {x["step"]: x["loss"] for x in lines if x.get("split") == split}
 
 
 def test_saved_on_one_context_size_resumes_on_another(tmp_path):
   """6 steps on (fsdp 2, context 4) straight; 3 steps on (fsdp 2, context 4), resumed on
-  (fsdp 1, context 8) and on one device for steps 4-6: the same losses."""
+  (fsdp 1, context 8) and on one device for steps 4-6: the same losses, and the same held-out
+  loss at step 6 (evaluated with each row split over context, or whole on one device)."""
   straight = tmp_path / "straight"
   zoo_run(straight, context=4, fsdp=2, steps=6)
   saved = tmp_path / "saved"
@@ -91,6 +96,8 @@ def test_saved_on_one_context_size_resumes_on_another(tmp_path):
     got, want = losses(workdir), losses(straight)
     for step in (4, 5, 6):
       assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
+    held_out = losses(workdir, "eval")[6]
+    assert held_out == pytest.approx(losses(straight, "eval")[6], rel=1e-5), name
 
 
 @pytest.mark.parametrize(

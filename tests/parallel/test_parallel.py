@@ -154,10 +154,11 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def two_processes(workdir, steps: int) -> list[subprocess.Popen]:
-  """`zoo run` as two processes on 127.0.0.1 with 4 fake devices each: one (2, 2, 2) mesh."""
+def two_processes(workdir, steps: int, mesh=(2, 2, 2), extra=()) -> list[subprocess.Popen]:
+  """`zoo run` as two processes on 127.0.0.1 with 4 fake devices each: one (data, fsdp, tensor)
+  mesh, (2, 2, 2) unless given (`extra`: more arguments)."""
   port = free_port()
-  args = zoo_args(workdir, (2, 2, 2), steps)
+  args = zoo_args(workdir, mesh, steps) + list(extra)
   args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
   return [
@@ -194,6 +195,17 @@ def test_two_processes_match_one_process_with_the_same_global_mesh(tmp_path, str
   }
   for step, loss in losses(two).items():
     assert loss == pytest.approx(straight[step], rel=1e-6), step
+
+
+def test_two_processes_that_split_each_row_over_context_match_one_process(tmp_path, straight):
+  """mesh.context=8 over two processes of 4 devices: both read the same rows of every batch
+  (`parallel.process_rows`), and each feeds its devices their share of every row's tokens
+  (`step.put_batch`). Losses equal the one-process (2, 2, 2) run's."""
+  two = tmp_path / "two"
+  finish(two_processes(two, 4, mesh=(1, 1, 1), extra=["--config.mesh.context=8"]))
+  assert len(losses(two)) == 4
+  for step, loss in losses(two).items():
+    assert loss == pytest.approx(straight[step], rel=1e-5), step
 
 
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path, straight):
