@@ -15,7 +15,8 @@ zoo plan EXP --topology NAME [--config.KEY=VALUE ...]  # compile for a TPU slice
 zoo run  EXP --workdir DIR [--config.KEY=VALUE ...]   # train; resumes if DIR has a checkpoint
 zoo eval EXP --workdir DIR [--config.KEY=VALUE ...]   # held-out loss of DIR's latest checkpoint
 zoo generate --workdir DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
-zoo generate --workdir DIR --audio FILE.wav       # a speech model's transcript of the audio
+zoo generate --workdir DIR --audio FILE.wav [--language en --task transcribe]  # a speech
+             model's transcript of up to 30 s (a speech run, or a converted Whisper checkpoint)
 zoo generate --workdir DIR (--labels 3,3,7 | --num-per-label N) --out FILE.npz [--guidance G
              --steps S --eta E --seed I]             # a class-conditional image model (DiT)
 zoo convert hf SRC_DIR --out DIR [--param-dtype float32]  # Hugging Face dir -> zoo checkpoint
@@ -77,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
   what = gen.add_mutually_exclusive_group()  # a language model's prompt, or a speech model's WAV
   what.add_argument("--prompt")
   what.add_argument("--audio", help="a WAV file to transcribe (a speech model's workdir)")
+  # The decoder prompt of a converted checkpoint whose family has choices (Whisper's).
+  gen.add_argument("--language", help="--audio: the language token (Whisper: en by default)")
+  gen.add_argument("--task", help="--audio: transcribe (default) or translate")
   # An image model (DiT) takes the next ones instead.
   gen.add_argument("--labels", help="comma-separated class ids, one image each")
   gen.add_argument("--num-per-label", type=int, help="N images of every class")
@@ -213,40 +217,72 @@ def cmd_eval(args, overrides):
 
 def _transcribe(args, cfg, seq2seq: bool):
   """`zoo generate --audio`: the transcript of a WAV file by a speech model (an encoder-decoder
-  of log-mel frames), greedy unless --temperature says otherwise."""
+  of log-mel frames), greedy unless --temperature says otherwise: a speech experiment's run
+  (its own word list), or a converted checkpoint (its generation_config.json's prompt, its
+  tokenizer)."""
   import jax
   import numpy as np
 
   from nnx_zoo.common import sampling
-  from nnx_zoo.common.data import audio, speech
-  from nnx_zoo.common.hub import weights
+  from nnx_zoo.common.data import audio, speech, tokenizers
+  from nnx_zoo.common.hub import generation, weights
 
   if not seq2seq or cfg.model.get("inputs") != "frames":
     raise UserError(
       f"--audio needs a speech model (an encoder-decoder of log-mel frames, e.g. Whisper); "
       f"{args.workdir} holds a {cfg.model.family} model: give it --prompt TEXT."
     )
-  if cfg.data.get("kind") not in speech.KINDS:
+  hf_generation = generation.read(args.workdir)
+  if hf_generation is None and cfg.data.get("kind") not in speech.KINDS:
     raise UserError(
-      f"{args.workdir} has no word list to write its tokens with (data.kind "
-      f"{cfg.data.get('kind')!r}): --audio reads the workdir of a speech experiment."
+      f"{args.workdir} has neither a word list to write its tokens with (data.kind "
+      f"{cfg.data.get('kind')!r}) nor a {generation.FILE}: --audio reads the workdir of a "
+      "speech experiment or a `zoo convert hf` output of a Whisper directory."
     )
-  # The model's window: its encoder positions times the stem's strides, at 100 frames a second.
+  if hf_generation is None:  # a speech experiment's run: its word list, its start token
+    if args.language is not None or args.task is not None:
+      raise UserError(
+        f"{args.workdir} is a speech experiment's run: it takes no --language/--task."
+      )
+    settings = generation.Settings(decoder_prompt=(cfg.model.decoder_start_id,), eos_ids=())
+    decode = speech.decode
+  else:  # a converted checkpoint: transformers' prompt and suppressed tokens, its tokenizer
+    settings = generation.settings(
+      cfg.model.family,
+      hf_generation,
+      config=cfg.get("source", {}).get("config", {}),
+      language=args.language,
+      task=args.task,
+    )
+    if not cfg.data.tokenizer.path:
+      raise UserError(f"{args.workdir} has no tokenizer files to write the transcript with.")
+    tokenizer = tokenizers.load(cfg.data.tokenizer)
+
+    def decode(ids):  # up to the end token, without the tokenizer's special tokens
+      return tokenizer.decode(generation.until_eos(ids, settings.eos_ids)).strip()
+
+  # The model's window: its encoder positions times the stem's strides, at 100 frames a second
+  # (a converted Whisper: 30 s, every clip padded to it, as WhisperFeatureExtractor does).
   frames = cfg.model.position.max_len * int(np.prod(cfg.model.stem_strides))
-  seconds = min(cfg.data.seconds, frames / 100)
+  seconds = min(cfg.data.get("seconds", frames / 100), frames / 100)
   clip = audio.read_wav(args.audio, max_seconds=seconds)
   features = audio.log_mel(clip, num_mels=cfg.model.channels, seconds=seconds)
   graphdef, params, _ = weights.restore_params(cfg, args.workdir)
+  # The decoder's positions hold the prompt and the new tokens but the last.
+  room = cfg.model.decoder_position.max_len - len(settings.decoder_prompt) + 1
   out = sampling.generate_seq2seq(
     (graphdef, params),
     features[None],
-    max_new_tokens=min(args.max_new_tokens, cfg.model.decoder_position.max_len),
+    max_new_tokens=min(args.max_new_tokens, room),
     rng=jax.random.key(args.seed),
+    decoder_prompt=list(settings.decoder_prompt),
+    suppress_ids=settings.suppress_ids,
+    begin_suppress_ids=settings.begin_suppress_ids,
     temperature=args.temperature or 0.0,
     top_k=args.top_k,
     top_p=args.top_p,
   )
-  print(speech.decode(np.asarray(out[0])))
+  print(decode(np.asarray(out[0])))
 
 
 def cmd_generate(args, _overrides):
@@ -273,6 +309,8 @@ def cmd_generate(args, _overrides):
     if args.audio is None:
       raise UserError(f"{args.workdir} holds a speech model: give it --audio FILE.wav.")
     return _transcribe(args, cfg, seq2seq)
+  if args.language is not None or args.task is not None:
+    raise UserError("--language and --task choose a speech model's prompt: give them with --audio.")
   if args.prompt is None:
     raise UserError(f"{cfg.model.family} is a language model: give --prompt TEXT.")
   if not seq2seq and not hasattr(model_cls, "init_cache"):

@@ -1,6 +1,7 @@
 """Sampling from a decoder with its KV cache: one compiled prefill, then a compiled scan over the
-new tokens (no Python per token). Greedy, temperature, top-k and top-p. An encoder-decoder (T5)
-runs its encoder once on the prompt, then decodes the same way (`generate_seq2seq`)."""
+new tokens (no Python per token). Greedy, temperature, top-k and top-p. An encoder-decoder (T5,
+Whisper) runs its encoder once on its input, then decodes the same way after a forced decoder
+prompt, with tokens it may not write (`generate_seq2seq`)."""
 
 import functools
 
@@ -123,29 +124,55 @@ def generate_stepwise(model, prompt_BP, *, max_new_tokens: int) -> jax.Array:
   return buffer_BL
 
 
+def suppressed(logits_BV: jax.Array, ids: jax.Array) -> jax.Array:
+  """`logits_BV` with the tokens `ids` made impossible (the lowest float), as transformers'
+  SuppressTokensLogitsProcessor; ids past the vocabulary are ignored."""
+  mask_V = jnp.zeros(logits_BV.shape[-1], bool).at[ids].set(True, mode="drop")
+  return jnp.where(mask_V, jnp.finfo(logits_BV.dtype).min, logits_BV)
+
+
 @functools.partial(
   jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p")
 )
 def _generate_seq2seq(
-  params, inputs_BS, segment_ids_BS, rng, *, graphdef, max_new_tokens, temperature, top_k, top_p
+  params,
+  inputs_BS,
+  segment_ids_BS,
+  prompt_BP,
+  suppress_ids,
+  begin_suppress_ids,
+  rng,
+  *,
+  graphdef,
+  max_new_tokens,
+  temperature,
+  top_k,
+  top_p,
 ):
   model = nnx.merge(graphdef, params)
-  B = inputs_BS.shape[0]
+  P = prompt_BP.shape[1]
   sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
   source_BSD = model.encode(inputs_BS, segment_ids_BS=segment_ids_BS)  # once, for every step
   # The source's own ids (an audio encoder's stem shortens the frames' ones).
   segment_ids_BS = model.source_segment_ids(inputs_BS, segment_ids_BS)
-  cache = model.init_cache(source_BSD, max_new_tokens, segment_ids_BS=segment_ids_BS)
+  num_steps = P - 1 + max_new_tokens  # the prompt's tokens, then the sampled ones but the last
+  cache = model.init_cache(source_BSD, num_steps, segment_ids_BS=segment_ids_BS)
 
-  def step(carry, step_rng):
+  # One step per decoder input: while the prompt lasts, its next token is the next input
+  # (forced, one compiled loop either way); after it, the sampled token is.
+  def step(carry, xs):
     token_B, cache = carry
-    logits_B1V, cache = model.decode(token_B[:, None], cache=cache)
-    next_B = sample(logits_B1V[:, 0], step_rng)
+    i, step_rng = xs
+    logits_BV, cache = model.decode(token_B[:, None], cache=cache)
+    logits_BV = suppressed(logits_BV[:, 0], suppress_ids)
+    first_BV = suppressed(logits_BV, begin_suppress_ids)  # only the first token after the prompt
+    sampled_B = sample(jnp.where(i == P - 1, first_BV, logits_BV), step_rng).astype(jnp.int32)
+    next_B = jnp.where(i + 1 < P, prompt_BP[:, jnp.minimum(i + 1, P - 1)], sampled_B)
     return (next_B, cache), next_B
 
-  start_B = jnp.full((B,), model.decoder_start_id, jnp.int32)
-  _, new_NB = jax.lax.scan(step, (start_B, cache), jax.random.split(rng, max_new_tokens))
-  return new_NB.T.astype(jnp.int32)
+  xs = (jnp.arange(num_steps), jax.random.split(rng, num_steps))
+  _, inputs_NB = jax.lax.scan(step, (prompt_BP[:, 0], cache), xs)
+  return inputs_NB.T[:, P - 1 :]
 
 
 def generate_seq2seq(
@@ -155,25 +182,47 @@ def generate_seq2seq(
   max_new_tokens: int,
   rng: jax.Array,
   segment_ids_BS: jax.Array | None = None,
+  decoder_prompt: jax.Array | list[int] | None = None,
+  suppress_ids: list[int] = (),
+  begin_suppress_ids: list[int] = (),
   temperature: float = 1.0,
   top_k: int = 0,
   top_p: float = 1.0,
 ) -> jax.Array:
   """An encoder-decoder's output for source tokens `inputs_BS` (segment ids: 0 = padding), or
   an audio encoder's feature frames [B, T, C]: `max_new_tokens` tokens sampled after the
-  decoder's start token, [B, max_new_tokens] int32."""
+  decoder's prompt, [B, max_new_tokens] int32.
+
+  The decoder's prompt is its first tokens, forced: the start token alone by default, or
+  `decoder_prompt` ([P] for every row, or [B, P]; Whisper's <|startoftranscript|> <|en|>
+  <|transcribe|> <|notimestamps|>). `suppress_ids` are never sampled, `begin_suppress_ids` not
+  as the first token after the prompt (transformers' suppress_tokens, begin_suppress_tokens).
+  Nothing stops at an end token: cut each row at its first one."""
   graphdef, params = _split(model_or_split, seq2seq=True)
   inputs_BS = jnp.asarray(inputs_BS)
   if jnp.issubdtype(inputs_BS.dtype, jnp.integer):
     inputs_BS = inputs_BS.astype(jnp.int32)
+  B = inputs_BS.shape[0]
   if max_new_tokens < 1:
-    return jnp.zeros((inputs_BS.shape[0], 0), jnp.int32)
+    return jnp.zeros((B, 0), jnp.int32)
   if segment_ids_BS is None:
     segment_ids_BS = jnp.ones(inputs_BS.shape[:2], jnp.int32)
+  if decoder_prompt is None:
+    decoder_prompt = [nnx.merge(graphdef, params).decoder_start_id]
+  prompt_BP = jnp.asarray(decoder_prompt, jnp.int32)
+  if prompt_BP.ndim == 1:
+    prompt_BP = jnp.broadcast_to(prompt_BP, (B, prompt_BP.shape[0]))
+  if prompt_BP.shape[0] != B or prompt_BP.shape[1] < 1:
+    raise UserError(
+      f"decoder_prompt has shape {prompt_BP.shape}: give [P] or [{B}, P] tokens, P >= 1."
+    )
   return _generate_seq2seq(
     params,
     inputs_BS,
     jnp.asarray(segment_ids_BS, jnp.int32),
+    prompt_BP,
+    jnp.asarray([i for i in suppress_ids if i >= 0], jnp.int32),
+    jnp.asarray([i for i in begin_suppress_ids if i >= 0], jnp.int32),
     rng,
     graphdef=graphdef,
     max_new_tokens=max_new_tokens,
@@ -183,15 +232,29 @@ def generate_seq2seq(
   )
 
 
-def generate_seq2seq_stepwise(model, inputs_BS, *, max_new_tokens: int, segment_ids_BS=None):
+def generate_seq2seq_stepwise(
+  model,
+  inputs_BS,
+  *,
+  max_new_tokens: int,
+  segment_ids_BS=None,
+  decoder_prompt=None,
+  suppress_ids=(),
+  begin_suppress_ids=(),
+):
   """Greedy encoder-decoder decoding one Python step at a time, the whole model (encoder
-  included) recomputed for every token: the slow reference of `generate_seq2seq`."""
+  included) recomputed for every token: the slow reference of `generate_seq2seq` (the same
+  prompt and suppressed tokens)."""
   B = inputs_BS.shape[0]
-  decoder_BT = jnp.full((B, 1), model.decoder_start_id, jnp.int32)
+  prompt = [model.decoder_start_id] if decoder_prompt is None else decoder_prompt
+  decoder_BT = jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (B, len(prompt)))
   # Jitted per length: op-by-op dispatch of the whole model is far slower on CPU.
   forward = nnx.jit(lambda model, x, d, s: model(x, d, segment_ids_BS=s))
-  for _ in range(max_new_tokens):
-    logits_BTV = forward(model, inputs_BS, decoder_BT, segment_ids_BS)
-    next_B = jnp.argmax(logits_BTV[:, -1], axis=-1)
+  for t in range(max_new_tokens):
+    logits_BV = forward(model, inputs_BS, decoder_BT, segment_ids_BS)[:, -1]
+    logits_BV = suppressed(logits_BV, jnp.asarray(suppress_ids, jnp.int32))
+    if t == 0:
+      logits_BV = suppressed(logits_BV, jnp.asarray(begin_suppress_ids, jnp.int32))
+    next_B = jnp.argmax(logits_BV, axis=-1)
     decoder_BT = jnp.concatenate([decoder_BT, next_B[:, None].astype(jnp.int32)], axis=1)
-  return decoder_BT[:, 1:]
+  return decoder_BT[:, len(prompt) :]

@@ -257,7 +257,8 @@ def write_config(path, exp: str):
 
 
 def test_generate_audio_refusals(capsys, tmp_path):
-  """--audio on a language model, --prompt on a speech model, and both at once."""
+  """--audio on a language model, --prompt on a speech model, both at once, and --language
+  where no prompt has one (a language model, a speech experiment's own run)."""
   write_config(tmp_path / "lm", SMOKE)
   write_config(tmp_path / "speech", SPEECH)
   code, _, err = zoo(capsys, "generate", "--workdir", tmp_path / "lm", "--audio", "a.wav")
@@ -266,6 +267,14 @@ def test_generate_audio_refusals(capsys, tmp_path):
   assert_user_error(code, err, "speech model", "--audio FILE.wav")
   code, _, err = zoo(capsys, "generate", "--workdir", tmp_path, "--prompt", "a", "--audio", "a")
   assert code == 2 and "not allowed with argument" in err
+  code, _, err = zoo(
+    capsys, "generate", "--workdir", tmp_path / "lm", "--prompt", "a", "--task", "x"
+  )
+  assert_user_error(code, err, "--language and --task", "--audio")
+  code, _, err = zoo(
+    capsys, "generate", "--workdir", tmp_path / "speech", "--audio", "a.wav", "--language", "de"
+  )
+  assert_user_error(code, err, "speech experiment's run", "no --language")
 
 
 @pytest.mark.slow

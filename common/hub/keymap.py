@@ -264,3 +264,14 @@ def layer_period(types: list) -> int:
   as a repeating pattern; len(types) if it has none)."""
   n = len(types)
   return next(p for p in range(1, n + 1) if all(types[i] == types[i % p] for i in range(n)))
+
+
+def forced_tokens(generation: dict) -> list[int | None]:
+  """The tokens generation_config.json's `forced_decoder_ids` ([[position, id], ...]) force
+  after the decoder's start token, in order from position 1 until a position is missing; None
+  where the id is left to the model (Whisper's language, which transformers detects)."""
+  forced = dict(generation.get("forced_decoder_ids") or [])
+  tokens = []
+  while len(tokens) + 1 in forced:
+    tokens.append(forced[len(tokens) + 1])
+  return tokens

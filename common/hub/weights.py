@@ -18,7 +18,7 @@ from nnx_zoo.common import config as config_lib
 from nnx_zoo.common import models
 from nnx_zoo.common.data import tokenizers as tokenizers_lib
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub import checkpoint, paths
+from nnx_zoo.common.hub import checkpoint, generation, paths
 from nnx_zoo.common.hub.hf import (
   NOT_KEPT,
   TOKENIZER_FILES,
@@ -217,8 +217,8 @@ def _tokenizer_config(out: str, files: list[str]) -> ml_collections.ConfigDict:
 def convert_hf(src: str, out: str, *, param_dtype: str = "float32") -> dict:
   """Writes the HF directory `src` as a zoo checkpoint at `out`: the layout of a `zoo run`
   workdir (config.json with `model` and `data.tokenizer`, checkpoints/0 with the params and the
-  model config), and the tokenizer files, so `zoo generate --workdir OUT` and
-  `--config.init_from=OUT` work on it. Returns a summary."""
+  model config), the tokenizer files and generation_config.json, so `zoo generate --workdir OUT`
+  and `--config.init_from=OUT` work on it. Returns a summary."""
   _check_out(out)
   if param_dtype not in ("float32", "bfloat16", "float16"):
     raise UserError(f"--param-dtype {param_dtype!r}: use float32, bfloat16 or float16.")
@@ -227,6 +227,8 @@ def convert_hf(src: str, out: str, *, param_dtype: str = "float32") -> dict:
   out = os.path.abspath(out)
   files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
   tokenizer = _tokenizer_config(out, files)
+  if os.path.isfile(os.path.join(src, generation.FILE)):  # how `zoo generate` prompts it
+    files.append(generation.FILE)
   source = {"hf": os.path.abspath(src), "config": info["config"]}
   run_config = ml_collections.ConfigDict(
     {"model": cfg.to_dict(), "data": {"tokenizer": tokenizer.to_dict()}, "source": source}
@@ -264,7 +266,8 @@ def convert_hf(src: str, out: str, *, param_dtype: str = "float32") -> dict:
 
 def export_hf(workdir: str, out: str) -> dict:
   """Writes the latest checkpoint in `workdir` (a `zoo run` workdir or a `zoo convert` output)
-  as an HF directory: model.safetensors, config.json and the tokenizer files it has."""
+  as an HF directory: model.safetensors, config.json and the tokenizer files and
+  generation_config.json it has."""
   from safetensors.flax import save_file
 
   _check_out(out)
@@ -280,7 +283,9 @@ def export_hf(workdir: str, out: str) -> dict:
     kept = {k: v for k, v in base.items() if k not in NOT_KEPT}
     hf_config = {**kept, **hf_config}
   tensors = to_hf(cfg, mod, params)
-  files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(workdir, f))]
+  files = [
+    f for f in (*TOKENIZER_FILES, generation.FILE) if os.path.isfile(os.path.join(workdir, f))
+  ]
   tok = meta.get("data", {}).get("tokenizer", {})
   tok_json = tok.get("path", "") if tok.get("kind") == "hf" and not files else ""
 

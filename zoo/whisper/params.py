@@ -142,3 +142,39 @@ def rules(cfg) -> list:
       r += linear(f"{hf}.fc1", f"{zoo}.mlp.up", bias=True)
       r += linear(f"{hf}.fc2", f"{zoo}.mlp.down", bias=True)
   return r
+
+
+def decoder_prompt(generation: dict, *, language: str | None, task: str | None) -> list[int]:
+  """Whisper's decoder prompt from its generation_config.json, as transformers' `generate`
+  writes it for up to 30 s of audio without timestamps: <|startoftranscript|>, the language
+  (`--language`: a code, en, or its token, <|en|>), the task (transcribe or translate),
+  <|notimestamps|>. A multilingual checkpoint defaults to its config's forced language and task,
+  else to English and transcribe (transformers would detect the language instead); an
+  English-only one (no `lang_to_id`) writes <|startoftranscript|> <|notimestamps|>."""
+  prompt = [generation["decoder_start_token_id"]]
+  languages = generation.get("lang_to_id") or {}
+  tasks = generation.get("task_to_id") or {}
+  forced = keymap.forced_tokens(generation)
+  if not generation.get("is_multilingual", bool(languages)):
+    if language not in (None, "en", "<|en|>") or task not in (None, "transcribe"):
+      raise UserError(
+        "This Whisper checkpoint is English-only: it transcribes English and takes no other "
+        "--language or --task."
+      )
+    prompt += [t for t in forced if t is not None]
+  elif language is None and task is None and forced and forced[0] is not None:
+    prompt += forced  # a fine-tuned checkpoint's own language and task
+  else:
+    language = language or generation.get("language") or "en"
+    token = language if language.startswith("<|") else f"<|{language.lower()}|>"
+    if token not in languages:
+      codes = ", ".join(sorted(t.strip("<|>") for t in languages))
+      raise UserError(f"Unknown --language {language!r}: this checkpoint knows {codes}.")
+    task = task or generation.get("task") or "transcribe"
+    if task not in tasks:
+      raise UserError(f"Unknown --task {task!r}: give {' or '.join(sorted(tasks))}.")
+    prompt += [languages[token], tasks[task]]
+  no_timestamps = generation.get("no_timestamps_token_id")
+  if no_timestamps is not None and prompt[-1] != no_timestamps:
+    prompt.append(no_timestamps)
+  return prompt

@@ -47,6 +47,16 @@ def test_cached_greedy_decoding_equals_full_forward():
   assert got.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert len(set(np.asarray(got).ravel().tolist())) > 1  # not one token repeated
+  # After a forced prompt (Whisper's start, language, task), with tokens suppressed: always the
+  # first greedy token, at the first step the second one.
+  prompt, suppress, begin = [1, 7, 9], [int(want[0, 0])], [int(want[1, 0]), 40]
+  kw = dict(decoder_prompt=prompt, suppress_ids=suppress, begin_suppress_ids=begin)
+  want = sampling.generate_seq2seq_stepwise(model, frames, max_new_tokens=4, **kw)
+  got = sampling.generate_seq2seq(
+    model, frames, max_new_tokens=4, rng=jax.random.key(0), temperature=0.0, **kw
+  )
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert suppress[0] not in np.asarray(got) and begin[0] not in np.asarray(got)[:, 0]
 
 
 @pytest.mark.slow
