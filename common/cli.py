@@ -194,17 +194,23 @@ def cmd_run(args, overrides):
 
 
 def cmd_eval(args, overrides):
-  from nnx_zoo.common import distributed, experiments
+  import jax
+
+  from nnx_zoo.common import distributed, experiments, mesh, parallel
   from nnx_zoo.common.hub import weights
   from nnx_zoo.common.train import metrics, trainer
 
   distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
-  graphdef, params, step = weights.restore_params(cfg, args.workdir)
-  data = trainer.load_data(cfg, train=False)
+  # The experiment's mesh, as `zoo run` makes it (a row split over mesh.context stays split).
+  sizes = mesh.resolve(cfg.mesh, jax.device_count())
+  parallel.check_experiment(cfg, sizes)
+  layout = parallel.make_layout(sizes) if jax.device_count() > 1 else None
+  graphdef, params, step = weights.restore_params(cfg, args.workdir, layout)
+  data = trainer.load_data(cfg, train=False, layout=layout)
   if data.eval is None:
     raise UserError(f"{args.exp} has no held-out split: set data.eval_files.")
-  result = trainer.evaluate(params, data, graphdef=graphdef, cfg=cfg)
+  result = trainer.evaluate(params, data, graphdef=graphdef, cfg=cfg, layout=layout)
   if cfg.get("diffusion") is not None:  # a denoiser: its samples' class accuracy and novelty
     from nnx_zoo.common.train import diffusion
 

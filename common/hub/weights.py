@@ -92,11 +92,12 @@ def load(path: str) -> nnx.Module:
 # Starting points of a run: its own latest checkpoint, or another run's weights (init_from)
 
 
-def restore_params(cfg, workdir: str) -> tuple[nnx.GraphDef, nnx.State, int]:
+def restore_params(cfg, workdir: str, layout=None) -> tuple[nnx.GraphDef, nnx.State, int]:
   """The model of experiment config `cfg` with the params of the latest checkpoint in
   `workdir` (what `zoo eval` and `zoo generate` read; a train.ema run's average), and its
-  step. A model config saved before the shared layers' configs changed (a workdir's config.json)
-  is read as today's."""
+  step; placed on the mesh of `parallel.Layout` `layout` as the train step places them, if
+  given. A model config saved before the shared layers' configs changed (a workdir's
+  config.json) is read as today's."""
   model_cfg = models.upgrade(cfg.model.to_dict())
   abstract = models.abstract(model_cfg)
   graphdef = nnx.graphdef(abstract)
@@ -114,7 +115,14 @@ def restore_params(cfg, workdir: str) -> tuple[nnx.GraphDef, nnx.State, int]:
     # Params (the moving average where the run kept one) and step only (whatever optimizer
     # trained it, or none: `zoo convert`), from the newest undamaged step.
     key = params_key(meta)
-    wanted = {key: nnx.state(abstract, nnx.Param), "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    params = nnx.state(abstract, nnx.Param)
+    if layout is not None:
+      params = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        params,
+        layout.shardings(layout.param_specs(params)),
+      )
+    wanted = {key: params, "step": jax.ShapeDtypeStruct((), jnp.int32)}
     state = ckpts.restore_latest(wanted)
   finally:
     ckpts.close()

@@ -65,15 +65,18 @@ def test_loss_aux_and_gradients_equal_single_device(results, name):
   assert (permutes > 0) == name.endswith(":ring"), permutes
 
 
-def zoo_run(workdir, *, context: int, fsdp: int, steps: int, devices: int = 8):
-  args = ["-m", "nnx_zoo.common.cli", "run", "lm/shakespeare-char:smoke", "--workdir", str(workdir)]
+def zoo_run(workdir, *, context: int, fsdp: int, steps: int, devices: int = 8, command="run"):
+  exp = "lm/shakespeare-char:smoke"
+  args = ["-m", "nnx_zoo.common.cli", command, exp, "--workdir", str(workdir)]
+  args += ["--quiet"] if command == "run" else []
   args += [f"--config.mesh.context={context}", f"--config.mesh.fsdp={fsdp}"]
   args += ["--config.mesh.data=1", "--config.mesh.tensor=1", f"--config.train.steps={steps}"]
-  args += ["--config.train.batch_size=8", "--config.train.log_every=1", "--quiet"]
+  args += ["--config.train.batch_size=8", "--config.train.log_every=1"]
   args += ["--config.optim.schedule=constant", "--config.optim.warmup_steps=2"]
   args += ["--config.train.eval_every=6"]  # held-out loss at the end of the 6-step runs
   proc = run(args, devices=devices)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc
 
 
 def losses(workdir, split=None) -> dict[int, float]:
@@ -84,7 +87,8 @@ def losses(workdir, split=None) -> dict[int, float]:
 def test_saved_on_one_context_size_resumes_on_another(tmp_path):
   """6 steps on (fsdp 2, context 4) straight; 3 steps on (fsdp 2, context 4), resumed on
   (fsdp 1, context 8) and on one device for steps 4-6: the same losses, and the same held-out
-  loss at step 6 (evaluated with each row split over context, or whole on one device)."""
+  loss at step 6 (evaluated with each row split over context, or whole on one device), which
+  `zoo eval` on the context mesh gives again."""
   straight = tmp_path / "straight"
   zoo_run(straight, context=4, fsdp=2, steps=6)
   saved = tmp_path / "saved"
@@ -98,6 +102,10 @@ def test_saved_on_one_context_size_resumes_on_another(tmp_path):
       assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
     held_out = losses(workdir, "eval")[6]
     assert held_out == pytest.approx(losses(straight, "eval")[6], rel=1e-5), name
+  proc = zoo_run(straight, context=4, fsdp=2, steps=6, command="eval")
+  again = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert again["step"] == 6
+  assert again["loss"] == pytest.approx(losses(straight, "eval")[6], rel=1e-6)
 
 
 @pytest.mark.parametrize(
