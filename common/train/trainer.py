@@ -193,12 +193,12 @@ def _load_data(cfg, train: bool, batch_size: int, share: slice | None) -> Data:
       num_classes = cfg.model.conditioning.num_classes
       then = functools.partial(diffusion.noise_example, cfg=cfg.diffusion, num_classes=num_classes)
       batches = diffusion.eval_batches(cfg.diffusion, num_classes, images.eval_batches)
-    if cfg.data.mix != "none" and (then is not None or length):
-      raise UserError(
-        f"data.mix={cfg.data.mix!r} mixes a classifier's labels; this task (a denoiser or "
-        "image-caption pairs) has none to mix: set data.mix='none'."
-      )
     if train:
+      if cfg.data.mix != "none" and (then is not None or length):
+        raise UserError(
+          f"data.mix={cfg.data.mix!r} mixes a classifier's labels; this task (a denoiser or "
+          "image-caption pairs) has none to mix: set data.mix='none'."
+        )
       iterator = images.train_iterator(
         images.load_split(cfg.data, "train"),
         batch_size=batch_size,
