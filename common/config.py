@@ -101,6 +101,9 @@ ADDED_LATER = {
   "model.scan": False,
   "data.train_plays": "",
   "data.eval_fraction": 0.0,
+  "data.mix": "none",
+  "data.mix_alpha": 1.0,
+  "data.mix_prob": 1.0,
 }
 
 

@@ -268,6 +268,8 @@ def abstract_batch(cfg, layout) -> dict:
       "labels": ((B,), np.int32),
       "weights": ((B,), np.float32),
     }
+    if cfg.data.get("mix", "none") != "none":  # mixed training images: a second label each
+      shapes.update({"mix_labels": ((B,), np.int32), "mix": ((B,), np.float32)})
   elif kind == "shakespeare_genre":
     shapes = {
       "tokens": ((B, cfg.data.seq_len), np.int32),

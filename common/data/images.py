@@ -1,14 +1,18 @@
 """Image data: scikit-learn's digits or a user's .npz arrays as grain batches, and captions.
 
 Batches are {"images": [B, H, W, C] float32 in [0, 1], "labels": [B] int32, "weights": [B]
-float32} (weight 0: a padding row of the last eval batch), plus "captions": [B] int32 (which of
-`captions(label)` describes each image) when the iterator is asked for them, and "text": [B, T]
-int32 (that caption's tokens, `caption_tokens`) when it is given them. The training
+float32} (weight 0: a padding row of the last eval batch), plus, when training with `mix`,
+"mix_labels" [B] int32 and "mix" [B] float32 (the share of each image that is another image of
+the batch, whose label is its mix label; the loss weighs the two labels by it), plus
+"captions": [B] int32 (which of `captions(label)` describes each image) when the iterator is
+asked for them, and "text": [B, T] int32 (that caption's tokens, `caption_tokens`) when it is
+given them. The training
 iterator is a grain DatasetIterator, whose state goes into the checkpoint as the text one's does
 (common/data/pipeline.py): a resumed run sees exactly the batches, shifts included, it would have
 seen.
 """
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -21,6 +25,7 @@ from nnx_zoo.common.errors import UserError
 
 KINDS = ("digits", "npz")
 AUGMENTS = ("none", "shift", "affine")
+MIXES = ("none", "mixup", "cutmix")
 DIGITS_HELD_OUT = 360  # the last 360 of the 1,797 digits: indices 1437..1796
 
 
@@ -31,6 +36,10 @@ def config(**kw) -> ml_collections.ConfigDict:
   rotated by up to max_rotate degrees and scaled by up to 1 +- max_scale, the shift fractional,
   bilinear) or "none"; augment_prob: the share of training images augmented (each drawn anew:
   the rest enter as they are);
+  mix: "mixup" (each training image blended with another of its batch, the other's share drawn
+  from Beta(mix_alpha, mix_alpha)), "cutmix" (a box of that share of the area pasted from the
+  other) or "none"; mix_prob: the share of training images mixed (the labels weighed by the
+  shares, `mix_batch`);
   caption_len > 0: each training image paired with one of its digit's captions, as that many
   byte tokens (`caption_tokens`; CLIP), 0: images and labels only."""
   cfg = {
@@ -42,6 +51,9 @@ def config(**kw) -> ml_collections.ConfigDict:
     "max_rotate": 15.0,  # augment="affine" only
     "max_scale": 0.1,  # augment="affine" only
     "augment_prob": 1.0,  # < 1: only this share of training images is augmented
+    "mix": "none",
+    "mix_alpha": 1.0,
+    "mix_prob": 1.0,  # < 1: only this share of training images is mixed
     "caption_len": 0,
   }
   unknown = set(kw) - set(cfg)
@@ -160,6 +172,35 @@ def affine(image_HWC: np.ndarray, *, angle: float, scale: float, dy: float, dx: 
   return np.clip(np.stack(channels, axis=-1), 0.0, 1.0).astype(image_HWC.dtype)
 
 
+def mix_batch(batch: dict, rng: np.random.Generator, *, mix: str, alpha: float, prob: float):
+  """The batch with each image, with probability `prob`, mixed with the image `rng` pairs it
+  with: "mixup" blends the two, the partner's share m ~ Beta(alpha, alpha); "cutmix" pastes the
+  partner's pixels in a box of about m of the area at a random place, m then the box's true
+  share. Adds "mix_labels" (the partner's label) and "mix" [B] (m; 0: the image as it was)."""
+  images_BHWC, labels_B = batch["images"], batch["labels"]
+  B, H, W = images_BHWC.shape[:3]
+  partner_B = rng.permutation(B)
+  share_B = rng.beta(alpha, alpha, size=B) * (rng.uniform(size=B) < prob)
+  other_BHWC = images_BHWC[partner_B]
+  if mix == "mixup":
+    m_B = share_B.reshape(B, 1, 1, 1)
+    images_BHWC = (1 - m_B) * images_BHWC + m_B * other_BHWC
+  else:  # cutmix
+    images_BHWC = images_BHWC.copy()
+    for i in np.flatnonzero(share_B):
+      h = int(round(H * np.sqrt(share_B[i])))
+      w = int(round(W * np.sqrt(share_B[i])))
+      y, x = rng.integers(0, H - h + 1), rng.integers(0, W - w + 1)
+      images_BHWC[i, y : y + h, x : x + w] = other_BHWC[i, y : y + h, x : x + w]
+      share_B[i] = h * w / (H * W)
+  return {
+    **batch,
+    "images": images_BHWC.astype(batch["images"].dtype),
+    "mix_labels": labels_B[partner_B],
+    "mix": share_B.astype(np.float32),
+  }
+
+
 def shift(image_HWC: np.ndarray, dy: int, dx: int) -> np.ndarray:
   """The image moved dy pixels down and dx right; what leaves the frame is lost, what enters
   is background (0)."""
@@ -181,6 +222,9 @@ def train_iterator(
   max_rotate: float = 15.0,
   max_scale: float = 0.1,
   augment_prob: float = 1.0,
+  mix: str = "none",
+  mix_alpha: float = 1.0,
+  mix_prob: float = 1.0,
   num_captions: int = 0,
   caption_tokens: np.ndarray | None = None,
   then: Callable | None = None,
@@ -189,7 +233,8 @@ def train_iterator(
   """Endless shuffled global batches (reshuffled each epoch), this process's share of each.
   augment="shift" moves each image by up to max_shift pixels each way, "affine" also rotates it
   by up to max_rotate degrees and scales it by up to 1 +- max_scale; augment_prob < 1 leaves
-  each image as it is with probability 1 - augment_prob; num_captions > 0 picks
+  each image as it is with probability 1 - augment_prob; mix="mixup" or "cutmix" then mixes
+  mix_prob of the images of each batch with others of it (`mix_batch`); num_captions > 0 picks
   one caption per image (the "captions" entry, an index into `captions(label)`). Both are drawn
   per position in the stream, so each epoch draws anew and a restored iterator draws the same.
   `caption_tokens` [classes, captions, T] (`caption_tokens(T)`) picks the captions among its
@@ -202,6 +247,12 @@ def train_iterator(
     raise UserError(f"Unknown augment {augment!r}: use one of {AUGMENTS}.")
   if not 0 <= augment_prob <= 1:
     raise UserError(f"data.augment_prob={augment_prob} is not a probability: give one in [0, 1].")
+  if mix not in MIXES:
+    raise UserError(f"Unknown mix {mix!r}: use one of {MIXES}.")
+  if not 0 <= mix_prob <= 1:
+    raise UserError(f"data.mix_prob={mix_prob} is not a probability: give one in [0, 1].")
+  if mix != "none" and not mix_alpha > 0:
+    raise UserError(f"data.mix_alpha={mix_alpha} must be > 0 (Beta(mix_alpha, mix_alpha)).")
   if len(source) < batch_size:
     raise UserError(
       f"The training data has {len(source)} images, fewer than train.batch_size={batch_size}: "
@@ -226,7 +277,12 @@ def train_iterator(
         out["text"] = caption_tokens[example["labels"], out["captions"]]
     return out if then is None else then(out, rng)
 
-  return pipeline.shuffled_batches(source, batch_size=batch_size, seed=seed, draw=draw, share=share)
+  draw_batch = None
+  if mix != "none":
+    draw_batch = functools.partial(mix_batch, mix=mix, alpha=mix_alpha, prob=mix_prob)
+  return pipeline.shuffled_batches(
+    source, batch_size=batch_size, seed=seed, draw=draw, draw_batch=draw_batch, share=share
+  )
 
 
 def eval_batches(source: Images, *, batch_size: int, max_batches: int = 0, share=None):

@@ -340,6 +340,7 @@ def shuffled_batches(
   seed: int,
   draw: Callable | None = None,
   draw_seed: int | None = None,
+  draw_batch: Callable | None = None,
   share: slice | None = None,
 ) -> grain.DatasetIterator:
   """Endless shuffled global batches of `source`'s examples (reshuffled each epoch), this
@@ -347,16 +348,19 @@ def shuffled_batches(
   given, runs on each example with a random stream fixed by (draw_seed, its position in the
   endless stream), so each epoch draws anew and a restored iterator (grain's state, saved in the
   checkpoints) draws the same; draw_seed defaults to one derived from `seed`, apart from the
-  shuffle's. `share`: see `process_slice`."""
+  shuffle's. `draw_batch(batch, rng) -> batch`, if given, runs likewise on each global batch
+  (before it is shared out, so every process draws the same: mixing images across a batch).
+  `share`: see `process_slice`."""
   share = process_slice(batch_size, share)
   ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat()
   if draw is not None:
     if draw_seed is None:
       draw_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
     ds = ds.random_map(draw, seed=draw_seed)
-  ds = ds.batch(batch_size, drop_remainder=True).map(
-    lambda batch: {k: v[share] for k, v in batch.items()}
-  )
+  ds = ds.batch(batch_size, drop_remainder=True)
+  if draw_batch is not None:
+    ds = ds.random_map(draw_batch, seed=int(np.random.SeedSequence([seed, 2]).generate_state(1)[0]))
+  ds = ds.map(lambda batch: {k: v[share] for k, v in batch.items()})
   return iter(ds)
 
 

@@ -172,7 +172,8 @@ def loss_sums(model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array, ja
 
 
 def classify_rows(model, batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """A classifier's logits [B, C], cross-entropy [B] against the rows' `labels`, and row weights
+  """A classifier's logits [B, C], cross-entropy [B] against the rows' `labels` (mixed images:
+  against `labels` and `mix_labels`, weighed 1 - `mix` and `mix`), and row weights
   [B] (a row of padding only, segment ids all 0, counts for nothing; an image's `weights`)."""
   if "images" in batch:
     logits_BC = model.classify(batch["images"])
@@ -183,6 +184,11 @@ def classify_rows(model, batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
   ce_B = optax.softmax_cross_entropy_with_integer_labels(
     logits_BC.astype(jnp.float32), batch["labels"]
   )
+  if "mix" in batch:  # mixed training images (common/data/images.py mix_batch): both labels
+    mix_ce_B = optax.softmax_cross_entropy_with_integer_labels(
+      logits_BC.astype(jnp.float32), batch["mix_labels"]
+    )
+    ce_B = (1 - batch["mix"]) * ce_B + batch["mix"] * mix_ce_B
   return logits_BC, ce_B, weights_B
 
 

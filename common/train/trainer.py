@@ -194,6 +194,11 @@ def _load_data(cfg, train: bool, batch_size: int, share: slice | None) -> Data:
       then = functools.partial(diffusion.noise_example, cfg=cfg.diffusion, num_classes=num_classes)
       batches = diffusion.eval_batches(cfg.diffusion, num_classes, images.eval_batches)
     if train:
+      if cfg.data.mix != "none" and (then is not None or length):
+        raise UserError(
+          f"data.mix={cfg.data.mix!r} mixes a classifier's labels; this task (a denoiser or "
+          "image-caption pairs) has none to mix: set data.mix='none'."
+        )
       iterator = images.train_iterator(
         images.load_split(cfg.data, "train"),
         batch_size=batch_size,
@@ -203,6 +208,9 @@ def _load_data(cfg, train: bool, batch_size: int, share: slice | None) -> Data:
         max_rotate=cfg.data.max_rotate,
         max_scale=cfg.data.max_scale,
         augment_prob=cfg.data.augment_prob,
+        mix=cfg.data.mix,
+        mix_alpha=cfg.data.mix_alpha,
+        mix_prob=cfg.data.mix_prob,
         caption_tokens=images.caption_tokens(length) if length else None,
         then=then,
         share=share,

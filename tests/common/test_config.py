@@ -207,3 +207,9 @@ def test_differences_take_keys_added_later_as_their_neutral_value():
   assert config_lib.differences(old, new, within=("model.", "data.")) == []
   new.model.lora.rank = 4
   assert config_lib.differences(old, new) == ["model.lora.rank: 0 -> 4"]
+  images = experiments.get_config("vision/vit-digits:smoke")
+  before_mix = ml_collections.ConfigDict(images.to_dict())
+  del before_mix.data["mix"], before_mix.data["mix_alpha"], before_mix.data["mix_prob"]
+  assert config_lib.differences(before_mix, images, within=("data.",)) == []
+  images.data.mix = "cutmix"
+  assert config_lib.differences(before_mix, images) == ["data.mix: 'none' -> 'cutmix'"]

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import cli, experiments, models
+from nnx_zoo.common import cli, experiments, mesh, models, parallel, plan
 from nnx_zoo.common.data import images
+from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import weights
 from nnx_zoo.common.train import losses, metrics, trainer
 from nnx_zoo.zoo.clip import model as clip
@@ -104,10 +105,19 @@ def test_zero_shot_logits_are_scaled_cosines_to_the_prompts():
 
 
 def test_each_data_kind_loads_its_pipeline():
-  data = trainer.load_data(experiments.get_config(VIT))
+  data = trainer.load_data(experiments.get_config(VIT, {"data.mix": "none"}))
   batch = next(data.iterator)
   assert set(batch) == {"images", "labels", "weights"} and batch["images"].shape == (8, 8, 8, 1)
   assert data.prompts is None and len(data.eval) == images.DIGITS_HELD_OUT
+  for mix in ("none", "cutmix"):  # `zoo plan` compiles the step for the batch zoo run feeds
+    cfg = experiments.get_config(VIT, {"data.mix": mix})
+    batch = next(trainer.load_data(cfg).iterator)
+    layout = parallel.make_layout(mesh.resolve(cfg.mesh, 1))
+    shapes = {k: (v.shape, v.dtype) for k, v in plan.abstract_batch(cfg, layout).items()}
+    assert shapes == {k: (v.shape, v.dtype) for k, v in batch.items()}
+  assert {"mix_labels", "mix"} <= set(batch)
+  with pytest.raises(UserError, match="data.mix='cutmix' mixes a classifier's labels"):
+    trainer.load_data(experiments.get_config("diffusion/dit-digits:smoke", {"data.mix": "cutmix"}))
 
   data = trainer.load_data(experiments.get_config(CLIP))
   batch = next(data.iterator)

@@ -242,3 +242,73 @@ def test_augment_prob_leaves_the_rest_of_the_images_as_they_are(splits):
   assert 0.35 < np.mean(unchanged) < 0.65, np.mean(unchanged)
   with pytest.raises(UserError, match="augment_prob=1.5 is not a probability"):
     images.train_iterator(train, **kw, augment_prob=1.5)
+
+
+@pytest.mark.parametrize("mix", ["mixup", "cutmix"])
+def test_mix_blends_images_of_a_batch_and_says_how_much(splits, mix):
+  """mix: each mixed image is (1 - m) of itself and m of its partner, the batch's image of
+  `mix_labels`' label (cutmix: a box of exactly m of the area from it, the rest its own); the
+  order and labels are the plain stream's; mix_prob=0.5 leaves about half unmixed (m = 0); the
+  stream is seeded, and a restored iterator mixes the same."""
+  train, _ = splits
+  kw = dict(batch_size=64, seed=3, augment="none")
+  plain = take(images.train_iterator(train, **kw), 3)
+  mixed_it = images.train_iterator(train, **kw, mix=mix, mix_alpha=1.0)
+  mixed = take(mixed_it, 3)
+  for p, m in zip(plain, mixed, strict=True):
+    np.testing.assert_array_equal(p["labels"], m["labels"])
+    assert m["images"].dtype == np.float32 and m["mix"].dtype == np.float32
+    assert (m["mix"] >= 0).all() and (m["mix"] <= 1).all() and (m["mix"] > 0).mean() > 0.9
+    for i in range(64):
+      own, share = p["images"][i], m["mix"][i]
+      # The partner: an image of the plain batch that explains the mixed one.
+      fits = []
+      for j in np.flatnonzero(p["labels"] == m["mix_labels"][i]):
+        other = p["images"][j]
+        if mix == "mixup":
+          fits.append(np.allclose(m["images"][i], (1 - share) * own + share * other, atol=1e-6))
+        else:
+          from_other = np.isclose(m["images"][i], other) & ~np.isclose(own, other)
+          kept = np.isclose(m["images"][i], own)
+          fits.append(bool((from_other | kept).all()) and from_other.sum() <= share * own.size)
+      assert any(fits), (i, share)
+  again = take(images.train_iterator(train, **kw, mix=mix), 3)
+  for a, b in zip(mixed, again, strict=True):
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+  state = mixed_it.get_state()
+  ahead = take(mixed_it, 2)
+  mixed_it.set_state(state)
+  for a, b in zip(ahead, take(mixed_it, 2), strict=True):
+    np.testing.assert_array_equal(a["images"], b["images"])
+    np.testing.assert_array_equal(a["mix"], b["mix"])
+  half = take(images.train_iterator(train, **kw, mix=mix, mix_prob=0.5), 4)
+  unmixed = np.concatenate([h["mix"] == 0 for h in half])
+  assert 0.35 < unmixed.mean() < 0.65, unmixed.mean()
+  for p, h in zip(plain, half[:3], strict=True):
+    keep = h["mix"] == 0
+    np.testing.assert_array_equal(p["images"][keep], h["images"][keep])
+  with pytest.raises(UserError, match="Unknown mix"):
+    images.train_iterator(train, **kw, mix="blend")
+  with pytest.raises(UserError, match="mix_prob=2 is not a probability"):
+    images.train_iterator(train, **kw, mix=mix, mix_prob=2)
+
+
+def test_mixed_labels_weigh_the_loss():
+  """A mixed row's cross-entropy is (1 - mix) of its label's and mix of its mix label's; mix 0
+  is the plain loss; eval batches (no mix keys) are scored as before."""
+  import jax.numpy as jnp
+
+  from nnx_zoo.common.train import losses
+
+  class Fixed:
+    def classify(self, images_BHWC):
+      return jnp.log(jnp.array([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]]))
+
+  batch = {"images": jnp.zeros((2, 2, 2, 1)), "labels": jnp.array([0, 2]), "weights": jnp.ones(2)}
+  _, plain_B, _ = losses.classify_rows(Fixed(), batch)
+  np.testing.assert_allclose(plain_B, -np.log([0.7, 0.6]), rtol=1e-6)
+  mixed = {**batch, "mix_labels": jnp.array([1, 0]), "mix": jnp.array([0.25, 0.0])}
+  _, mixed_B, _ = losses.classify_rows(Fixed(), mixed)
+  want = [-(0.75 * np.log(0.7) + 0.25 * np.log(0.2)), -np.log(0.6)]
+  np.testing.assert_allclose(mixed_B, want, rtol=1e-6)
