@@ -15,6 +15,8 @@ for one function, and transformers itself computes the same bank with numpy
 (tests/common/test_audio.py).
 """
 
+import functools
+
 import numpy as np
 
 from nnx_zoo.common.errors import UserError
@@ -57,35 +59,65 @@ def mel_filters(num_mels: int, *, n_fft: int = N_FFT, sample_rate: int = SAMPLE_
   return filters * (2.0 / (upper - lower))
 
 
+@functools.lru_cache(maxsize=8)
+def _stft_tables(num_mels: int) -> tuple[np.ndarray, np.ndarray]:
+  """The periodic Hann window (as torch's hann_window) and the mel filters, float32: built once
+  rather than for every clip of an input pipeline."""
+  from scipy.signal import get_window
+
+  window = get_window("hann", N_FFT).astype(np.float32)  # periodic: fftbins=True
+  return window, mel_filters(num_mels).astype(np.float32)
+
+
 def log_mel(
   audio: np.ndarray, *, num_mels: int = 80, seconds: float = SECONDS, sample_rate=SAMPLE_RATE
 ) -> np.ndarray:
   """Whisper's log-mel features [T, num_mels] float32 of mono audio [samples] at 16 kHz,
-  padded with zeros or cut to `seconds` (T = 100 * seconds)."""
+  padded with zeros or cut to `seconds` (T = 100 * seconds). Computed in float32 (numpy's
+  rfft keeps it), as torch computes Whisper's."""
   if sample_rate != SAMPLE_RATE:
     raise UserError(f"Log-mel features take {SAMPLE_RATE} Hz audio, not {sample_rate} Hz.")
-  from scipy.signal import get_window
-
-  audio = np.asarray(audio, np.float64)
+  audio = np.asarray(audio, np.float32)
   if audio.ndim != 1:
     raise UserError(f"Expected mono audio [samples], got shape {audio.shape}.")
   n = int(round(seconds * SAMPLE_RATE))
   length = min(len(audio), n)
-  audio = np.pad(audio[:n], (0, max(0, n - len(audio))))
-  padded = np.pad(audio, N_FFT // 2, mode="reflect")  # a centred STFT
   num_frames = n // HOP  # the last frame dropped, as Whisper does
   # Frames past the audio see only the zero padding (power 0): their log is the floor, so only
   # the frames that touch the audio are transformed (short audio in a 30 s window: most of it).
   busy = min(num_frames, -(-(length + N_FFT // 2) // HOP) + 1)
   if busy > num_frames - 2:  # near the end the reflect padding reaches back into the audio
     busy = num_frames
+  # A centred STFT: the window of audio (zeros after it) with numpy's reflect padding of
+  # N_FFT // 2 samples either side, written into one float32 buffer.
+  half = N_FFT // 2
+  window_audio = audio[:n]
+  if n > half + 1:
+    padded = np.zeros(n + 2 * half, np.float32)
+    padded[half : half + length] = window_audio
+    padded[:half] = padded[2 * half : half : -1]
+    padded[half + n :] = padded[half + n - 2 : n - 2 : -1]
+  else:  # a window shorter than the padding: numpy reflects it several times over
+    padded = np.pad(np.pad(window_audio, (0, n - length)), half, mode="reflect")
+  window, filters = _stft_tables(num_mels)
   frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP][:busy]
-  window = get_window("hann", N_FFT)  # periodic (fftbins=True), as torch's hann_window
-  power = np.abs(np.fft.rfft(frames * window, axis=-1)) ** 2
-  log_spec = np.full((num_frames, num_mels), -10.0)  # log10 of the 1e-10 floor
-  log_spec[:busy] = np.log10(np.maximum(power @ mel_filters(num_mels), 1e-10))
+  spectrum = np.fft.rfft(frames * window, axis=-1)
+  power = spectrum.real**2 + spectrum.imag**2
+  log_spec = np.full((num_frames, num_mels), -10.0, np.float32)  # log10 of the 1e-10 floor
+  log_spec[:busy] = np.log10(np.maximum(power @ filters, 1e-10))
   log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
-  return ((log_spec + 4.0) / 4.0).astype(np.float32)
+  return (log_spec + 4.0) / 4.0
+
+
+@functools.lru_cache(maxsize=64)
+def _resample_filter(up: int, down: int) -> np.ndarray:
+  """resample_poly's own low-pass filter for up / down (in lowest terms): a Kaiser-windowed
+  (beta 5) sinc of 20 * max(up, down) + 1 taps cut at the lower Nyquist, designed once per
+  ratio rather than for every clip (passed back as its `window`, it gives the same output)."""
+  from scipy.signal import firwin
+
+  rate = max(up, down)
+  return firwin(20 * rate + 1, 1.0 / rate, window=("kaiser", 5.0)).astype(np.float32)
 
 
 def change_speed(audio: np.ndarray, factor: float, *, steps: int = 100) -> np.ndarray:
@@ -93,6 +125,8 @@ def change_speed(audio: np.ndarray, factor: float, *, steps: int = 100) -> np.nd
   len / factor samples, so its pitch and formants rise by `factor` as its tempo does, as tape
   played fast (Kaldi's speed perturbation, Ko et al. 2015). The factor is rounded to a ratio of
   whole numbers over `steps` (1.137 -> 114 / 100)."""
+  import math
+
   from scipy.signal import resample_poly
 
   if factor <= 0:
@@ -100,7 +134,10 @@ def change_speed(audio: np.ndarray, factor: float, *, steps: int = 100) -> np.nd
   down = int(round(factor * steps))
   if down == steps:
     return np.asarray(audio, np.float32)
-  return resample_poly(np.asarray(audio, np.float64), steps, down).astype(np.float32)
+  g = math.gcd(steps, down)
+  up, down = steps // g, down // g
+  out = resample_poly(np.asarray(audio, np.float32), up, down, window=_resample_filter(up, down))
+  return out.astype(np.float32, copy=False)
 
 
 def spec_augment(
