@@ -7,8 +7,9 @@ Time:      measured with the input pipeline before its 2x speed-up (see Tried): 
            the shared 2-core CPU at a load average of 4-9, 23 CPU-min (1,119 s user + 247 s
            sys). The pipeline now costs ~0.05 of a 0.53 CPU-s step (3 s windows, measured in the
            2,800-step run below), so this recipe should take about 14 CPU-min (1,400 x 0.53 s
-           plus ~1.5 CPU-min of start-up and evaluation); not rerun end to end. Audio already
-           cached (synthesising it, on the first run only: 3.5 min under load).
+           plus ~1.5 CPU-min of start-up and evaluation); the same recipe with `train.ema`
+           (see Tried) took 13.4 CPU-min (591 s user + 212 s sys), 15.4 min wall at a load of
+           5-6. Audio already cached (synthesising it, on the first run only: 3.5 min under load).
 Expected:  held-out word error rate 0.096 at step 1,400 (0.632 at 350, 0.203 at 700, 0.109 at
            1,050), greedy transcripts of the 400 held-out utterances (1,033 words) by voices
            training never hears; held-out loss 0.235 nats/token; measured before the pipeline
@@ -34,6 +35,10 @@ Tried:     On the 2-core CPU shared with other engineers' jobs; CPU time is user
              at a load of 9-15. More utterances of the same voices did not help here. The
              held-out loss and WER swing between evaluations, so single readings of 0.10-0.12
              are not clearly apart.
+           - This recipe with the weights' moving average (`--config.train.ema=0.999`), after
+             the pipeline change: WER 0.488 / 0.149 / 0.116 / 0.092 at steps 350 / 700 / 1,050 /
+             1,400, held-out loss 0.354 at 1,400; 13.4 CPU-min. Within the evaluations' swing of
+             the recipe's 0.096, so the recipe does not take it.
            - 2.5 s windows, 3,300 steps on the 4,000 utterances: WER 0.357 at step 550, then
              stopped to leave the cores to the runs above.
            - Earlier: the same recipe on an 800-step schedule: WER 0.178 (held-out loss 0.475
