@@ -86,26 +86,27 @@ def sums_and_grads(
 
 
 def context_rows(batch: dict, layout: parallel.Layout) -> tuple[dict, dict]:
-  """The batch as the sharded step splits it, and the PartitionSpec of each array: a language
-  model's rows become their `next_token` rows (`losses.next_token_rows`, made from whole rows),
-  laid out in `parallel.context_order` and split over `context` as well as the batch axes;
-  any other batch is split over the batch axes only, and refuses `mesh.context` > 1. Made on
-  the host by `put_batch` (NumPy), or in the step from whole rows when it is given those."""
+  """The batch as the sharded step splits it, and the PartitionSpec of each array. Under
+  `mesh.context` > 1 a language model's rows become their `next_token` rows
+  (`losses.next_token_rows`, made from whole rows), laid out in `parallel.context_order` and
+  split over `context` as well as the batch axes: made on the host by `put_batch` (NumPy), or in
+  the step when it is given whole rows. Any other batch, and every batch without the split, is
+  split over the batch axes only (a language model's rows whole: `losses.loss_sums` makes their
+  next-token rows on each device); a batch that is not token rows refuses the split."""
   context = layout.sizes.get("context", 1)
   if "next_token" in batch:  # made already (put_batch)
     return batch, {"next_token": {k: layout.token_spec for k in batch["next_token"]}}
-  if set(batch) != {"tokens", "segment_ids"}:
-    if context > 1:
-      kind = "the images, labels or source/target pairs of this task"
-      raise UserError(
-        f"mesh.context={context} splits the token rows of a language model (a decoder trained "
-        f"on next tokens); {kind} have none to split: set mesh.context=1."
-      )
+  if context == 1:
     return batch, jax.tree.map(lambda _: layout.batch_spec, batch)
+  if set(batch) != {"tokens", "segment_ids"}:
+    kind = "the images, labels or source/target pairs of this task"
+    raise UserError(
+      f"mesh.context={context} splits the token rows of a language model (a decoder trained "
+      f"on next tokens); {kind} have none to split: set mesh.context=1."
+    )
   rows = losses.next_token_rows(batch)
-  if context > 1:
-    order = parallel.context_order(rows["inputs"].shape[1], context)
-    rows = {k: v[:, order] for k, v in rows.items()}
+  order = parallel.context_order(rows["inputs"].shape[1], context)
+  rows = {k: v[:, order] for k, v in rows.items()}
   return {"next_token": rows}, {"next_token": {k: layout.token_spec for k in rows}}
 
 
@@ -257,7 +258,7 @@ def placed_abstract_state(cfg, tx, layout: parallel.Layout | None):
 
 def put_batch(batch: dict, layout: parallel.Layout | None) -> dict:
   """The global batch from this process's rows of it (`parallel.process_rows`), each device
-  given its part only: rows split over the batch axes and, under `mesh.context`, a language
+  given its part only: rows split over the batch axes and, under `mesh.context` > 1, a language
   model's rows as their next-token rows (`context_rows`, made here on the host from the whole
   rows) with each device's share of every row's tokens, so no device receives whole rows."""
   if layout is None:
