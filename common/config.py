@@ -104,6 +104,9 @@ ADDED_LATER = {
   "data.mix": "none",
   "data.mix_alpha": 1.0,
   "data.mix_prob": 1.0,
+  "data.freq_warp": [1.0, 1.0],
+  "data.tempo_perturb": [1.0, 1.0],
+  "data.noise_prob": 1.0,
 }
 
 

@@ -47,10 +47,14 @@ def mel_to_hz(mel):
   )
 
 
-def mel_filters(num_mels: int, *, n_fft: int = N_FFT, sample_rate: int = SAMPLE_RATE):
+def mel_filters(
+  num_mels: int, *, n_fft: int = N_FFT, sample_rate: int = SAMPLE_RATE, warp: float = 1.0
+):
   """[n_fft // 2 + 1, num_mels]: triangular filters evenly spaced on the Slaney mel scale from 0
-  to sample_rate / 2, each scaled to unit area (norm="slaney")."""
-  fft_hz = np.linspace(0, sample_rate / 2, n_fft // 2 + 1)
+  to sample_rate / 2, each scaled to unit area (norm="slaney"). `warp` != 1: vocal tract length
+  perturbation (Jaitly and Hinton 2013): the power at f Hz is counted at warp x f, so a voice's
+  formants move by that factor (what beyond sample_rate / 2 is dropped)."""
+  fft_hz = np.linspace(0, sample_rate / 2, n_fft // 2 + 1) * warp
   edges_hz = mel_to_hz(np.linspace(hz_to_mel(0.0), hz_to_mel(sample_rate / 2), num_mels + 2))
   lower, centre, upper = edges_hz[:-2], edges_hz[1:-1], edges_hz[2:]
   rising = (fft_hz[:, None] - lower) / (centre - lower)
@@ -70,11 +74,17 @@ def _stft_tables(num_mels: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def log_mel(
-  audio: np.ndarray, *, num_mels: int = 80, seconds: float = SECONDS, sample_rate=SAMPLE_RATE
+  audio: np.ndarray,
+  *,
+  num_mels: int = 80,
+  seconds: float = SECONDS,
+  sample_rate=SAMPLE_RATE,
+  freq_warp: float = 1.0,
 ) -> np.ndarray:
   """Whisper's log-mel features [T, num_mels] float32 of mono audio [samples] at 16 kHz,
   padded with zeros or cut to `seconds` (T = 100 * seconds). Computed in float32 (numpy's
-  rfft keeps it), as torch computes Whisper's."""
+  rfft keeps it), as torch computes Whisper's. `freq_warp` != 1: through `mel_filters`'
+  warped filters (an augmentation; 1 is Whisper's)."""
   if sample_rate != SAMPLE_RATE:
     raise UserError(f"Log-mel features take {SAMPLE_RATE} Hz audio, not {sample_rate} Hz.")
   audio = np.asarray(audio, np.float32)
@@ -100,6 +110,8 @@ def log_mel(
   else:  # a window shorter than the padding: numpy reflects it several times over
     padded = np.pad(np.pad(window_audio, (0, n - length)), half, mode="reflect")
   window, filters = _stft_tables(num_mels)
+  if freq_warp != 1.0:
+    filters = mel_filters(num_mels, warp=freq_warp).astype(np.float32)
   frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP][:busy]
   spectrum = np.fft.rfft(frames * window, axis=-1)
   power = spectrum.real**2 + spectrum.imag**2
@@ -138,6 +150,18 @@ def change_speed(audio: np.ndarray, factor: float, *, steps: int = 100) -> np.nd
   up, down = steps // g, down // g
   out = resample_poly(np.asarray(audio, np.float32), up, down, window=_resample_filter(up, down))
   return out.astype(np.float32, copy=False)
+
+
+def stretch_frames(features_TC: np.ndarray, rate: float) -> np.ndarray:
+  """Features [T, C] of the same sound `rate` times as fast, its pitch and formants unchanged
+  (tempo perturbation on the frames): frame t is read at t x rate, linearly interpolated, and
+  past the last frame the last frame is repeated (a window's trailing silence). A new array."""
+  T = features_TC.shape[0]
+  at = np.minimum(np.arange(T) * rate, T - 1)
+  lo = np.floor(at).astype(np.int64)
+  hi = np.minimum(lo + 1, T - 1)
+  frac = (at - lo).astype(features_TC.dtype)[:, None]
+  return features_TC[lo] * (1 - frac) + features_TC[hi] * frac
 
 
 def spec_augment(

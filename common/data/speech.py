@@ -64,8 +64,13 @@ def config(**kw) -> ml_collections.ConfigDict:
   training audio, drawn anew each time an utterance is seen: played faster or slower by a factor
   drawn from `speed_perturb` (low, high), pitch and formants moving with it
   (audio.change_speed; (1, 1): off), a random start of up to `max_delay` s, noise at `snr_db`
-  (low, high) decibels, then SpecAugment's masks on the log-mels: `time_masks` runs of up to
-  `time_mask_frames` frames and `freq_masks` bands of up to `freq_mask_bins` bins
+  (low, high) decibels on a `noise_prob` share of the clips (the rest stay clean: a recogniser
+  that only ever heard noise hears clean audio's silences as something else), the log-mels'
+  filters warped by a factor drawn from `freq_warp` (vocal tract length perturbation: formants
+  move, the tempo does not; audio.mel_filters), the frames played faster or slower by a factor
+  drawn from `tempo_perturb` (pitch and formants stay; never slower than the window can hold
+  the speech; audio.stretch_frames), then SpecAugment's masks on the log-mels: `time_masks`
+  runs of up to `time_mask_frames` frames and `freq_masks` bands of up to `freq_mask_bins` bins
   (audio.spec_augment; 0 masks: off); `cache`: the directory of generated audio
   ("" = ~/.cache/nnx-zoo/spoken-digits)."""
   c = dict(
@@ -82,7 +87,10 @@ def config(**kw) -> ml_collections.ConfigDict:
     mels=80,
     max_delay=0.3,
     snr_db=(15.0, 40.0),
+    noise_prob=1.0,
     speed_perturb=(1.0, 1.0),
+    freq_warp=(1.0, 1.0),
+    tempo_perturb=(1.0, 1.0),
     time_masks=0,
     time_mask_frames=0,
     freq_masks=0,
@@ -257,12 +265,19 @@ def train_iterator(
     power = np.mean(np.square(clip)) + 1e-12
     delay = int(rng.uniform(0, cfg.max_delay) * audio.SAMPLE_RATE)
     clip = np.concatenate([np.zeros(delay, np.float32), clip])
-    snr = rng.uniform(*cfg.snr_db)
-    clip = clip + rng.standard_normal(len(clip), dtype=np.float32) * np.float32(
-      np.sqrt(power / 10 ** (snr / 10))
-    )
+    if cfg.noise_prob >= 1.0 or rng.uniform() < cfg.noise_prob:
+      snr = rng.uniform(*cfg.snr_db)
+      clip = clip + rng.standard_normal(len(clip), dtype=np.float32) * np.float32(
+        np.sqrt(power / 10 ** (snr / 10))
+      )
+    warp = rng.uniform(*cfg.freq_warp) if tuple(cfg.freq_warp) != (1.0, 1.0) else 1.0
+    inputs = audio.log_mel(clip, num_mels=cfg.mels, seconds=cfg.seconds, freq_warp=warp)
+    if tuple(cfg.tempo_perturb) != (1.0, 1.0):
+      # Slower than the window holds would cut the speech off: at least the clip's own rate.
+      rate = max(rng.uniform(*cfg.tempo_perturb), len(clip) / audio.HOP / frames)
+      inputs = audio.stretch_frames(inputs, rate)
     inputs = audio.spec_augment(
-      features(cfg, clip),
+      inputs,
       rng,
       time_masks=cfg.time_masks,
       max_time=cfg.time_mask_frames,

@@ -107,3 +107,30 @@ def test_spec_augment_masks():
   assert widths == {0, 1, 2, 3, 4}
   off = audio.spec_augment(features, np.random.default_rng(0), time_masks=0, freq_masks=0)
   np.testing.assert_array_equal(off, features)
+
+
+@pytest.mark.parametrize("warp", [0.9, 1.12])
+def test_freq_warp_moves_a_tone_by_the_factor(warp):
+  """Vocal tract length perturbation: a tone at f Hz through warped filters lands in the mel bin
+  of a tone at warp x f Hz through Whisper's own; warp 1 is the features unchanged."""
+  rate = 16_000
+  t = np.arange(rate) / rate
+  for hz in (400.0, 1000.0, 2500.0):
+    tone = np.sin(2 * np.pi * hz * t).astype(np.float32)
+    moved = np.sin(2 * np.pi * warp * hz * t).astype(np.float32)
+    got = audio.log_mel(tone, seconds=1.0, freq_warp=warp)[20:80].argmax(axis=1)
+    want = audio.log_mel(moved, seconds=1.0)[20:80].argmax(axis=1)
+    np.testing.assert_array_equal(got, want)
+    assert (got != audio.log_mel(tone, seconds=1.0)[20:80].argmax(axis=1)).all()
+  np.testing.assert_array_equal(audio.log_mel(tone, seconds=1.0, freq_warp=1.0),
+                                audio.log_mel(tone, seconds=1.0))  # fmt: skip
+
+
+@pytest.mark.parametrize("rate", [0.8, 1.0, 1.25])
+def test_stretch_frames_reads_frame_t_at_t_times_rate(rate):
+  features = np.random.default_rng(0).standard_normal((50, 4)).astype(np.float32)
+  got = audio.stretch_frames(features, rate)
+  at = np.arange(50) * rate  # numpy's interp holds the last value past the end, as wanted
+  want = np.stack([np.interp(at, np.arange(50), features[:, c]) for c in range(4)], axis=1)
+  assert got.shape == features.shape and got.dtype == np.float32
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -67,11 +67,12 @@ def test_batches(tmp_path):
 
 @needs_espeak
 def test_augmented_batches(tmp_path):
-  """Speed perturbation and SpecAugment: the same draws for the same seed, other inputs than
-  without them, the same targets; masked frames and bins hold one value."""
+  """Speed, formant and tempo perturbation and SpecAugment: the same draws for the same seed,
+  other inputs than without them, the same targets; masked frames and bins hold one value."""
   cfg = small(tmp_path)
-  aug = small(tmp_path, speed_perturb=(0.85, 1.15), time_masks=2, time_mask_frames=10,
-              freq_masks=2, freq_mask_bins=15)  # fmt: skip
+  aug = small(tmp_path, speed_perturb=(0.85, 1.15), freq_warp=(0.9, 1.1),
+              tempo_perturb=(0.85, 1.15), time_masks=2, time_mask_frames=10, freq_masks=2,
+              freq_mask_bins=15)  # fmt: skip
   train = speech.load_split(cfg, "train")
   plain = next(speech.train_iterator(train, cfg, batch_size=4, seed=0))
   batch = next(speech.train_iterator(train, aug, batch_size=4, seed=0))
@@ -83,6 +84,25 @@ def test_augmented_batches(tmp_path):
   for x in batch["inputs"]:
     bins = np.flatnonzero(np.ptp(x, axis=0) == 0)  # a masked bin is constant over time
     assert 0 < len(bins) <= 30
+
+
+@needs_espeak
+def test_noise_prob_leaves_a_share_of_the_clips_clean(tmp_path):
+  """With noise on none of the clips (and no delay, speed or masks) a training clip's inputs
+  are the held-out features of its audio; with noise on every clip, none is; with half, some."""
+  kw = dict(max_delay=0.0, num_train=8)
+  clean = small(tmp_path, noise_prob=0.0, **kw)
+  train = speech.load_split(clean, "train")
+  features = np.stack([speech.features(clean, c) for c in train.clips])
+
+  def matches(cfg):
+    batch = next(speech.train_iterator(train, cfg, batch_size=8, seed=0))
+    return [any(np.allclose(x, f) for f in features) for x in batch["inputs"]]
+
+  assert all(matches(clean))
+  assert not any(matches(small(tmp_path, noise_prob=1.0, **kw)))
+  half = matches(small(tmp_path, noise_prob=0.5, **kw))
+  assert any(half) and not all(half)
 
 
 def test_word_errors_and_decode():
