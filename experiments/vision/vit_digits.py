@@ -13,6 +13,9 @@ Tried:     - D=64 (hidden 256, heads of 16; 0.2 M parameters, 296 CPU-s): 0.967,
              for seeds 0, 1, 2 (mean 0.956), 0.950 and 0.939 for seeds 3 and 4: the bar not held
              across draws; its raw weights 0.939, 0.942, 0.947 (mean 0.943). Every run below was
              at D=64.
+           - D=128 (heads of 32, hidden 512; 0.8 M parameters, 566 CPU-s): 0.931, 0.961, 0.953,
+             0.964, 0.956 for seeds 0-4 (mean of 0-2 0.948): better on seeds 3 and 4, worse on
+             seed 0, not kept.
            - For comparison on this split, scikit-learn's RBF SVC gets 0.944 and logistic regression
              0.900. Measured, seeds 0, 1, 2, with this file at 3,000 steps and no average: 0.953,
              0.947, 0.942 (mean 0.947, the figures measured before); with the average (ema 0.999) at
