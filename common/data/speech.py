@@ -234,8 +234,9 @@ class Split:
     return f"speech.Split({len(self)})"
 
 
-def features(cfg, clip: np.ndarray) -> np.ndarray:
-  return audio.log_mel(clip, num_mels=cfg.mels, seconds=cfg.seconds)
+def features(cfg, clip: np.ndarray, *, freq_warp: float = 1.0) -> np.ndarray:
+  """The data's log-mel frames of a clip (`freq_warp`: training's formant warp, 1 = none)."""
+  return audio.log_mel(clip, num_mels=cfg.mels, seconds=cfg.seconds, freq_warp=freq_warp)
 
 
 def load_split(cfg, split: str) -> Split:
@@ -271,7 +272,7 @@ def train_iterator(
         np.sqrt(power / 10 ** (snr / 10))
       )
     warp = rng.uniform(*cfg.freq_warp) if tuple(cfg.freq_warp) != (1.0, 1.0) else 1.0
-    inputs = audio.log_mel(clip, num_mels=cfg.mels, seconds=cfg.seconds, freq_warp=warp)
+    inputs = features(cfg, clip, freq_warp=warp)
     if tuple(cfg.tempo_perturb) != (1.0, 1.0):
       # Slower than the window holds would cut the speech off: at least the clip's own rate.
       rate = max(rng.uniform(*cfg.tempo_perturb), len(clip) / audio.HOP / frames)
