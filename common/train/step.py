@@ -70,18 +70,27 @@ def sums_and_grads(
     return objective, {"total": total, "count": count, "aux": aux.means(entries)}
 
   grad_fn = jax.grad(objective, has_aux=True)
-  micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
-  # The first slice starts the sums (so they carry the same sharding types as the rest).
-  grads, sums = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
   if micro_batches == 1:
+    grads, sums = grad_fn(params, batch)
     return sums, grads
+  micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
 
   def add(acc, one_batch):
     grads, sums = grad_fn(params, one_batch)
-    return jax.tree.map(jnp.add, acc, (sums, grads)), None
+    return jax.tree.map(jnp.add, acc, grads), sums
 
-  sums, grads = jax.lax.scan(add, (sums, grads), jax.tree.map(lambda x: x[1:], micro))[0]
-  sums["aux"] = {k: v / micro_batches for k, v in sums["aux"].items()}
+  # Every slice runs in the loop, adding into gradients that start at zero (typed as the params
+  # are, so the loop's carry keeps their sharding types), and each slice's sums leave it as its
+  # output. Starting from the first slice's gradients instead, computed before the loop, planned
+  # 0.64 GiB more temporaries for Qwen3-30B's 48 layers on v5e-64 (`bench/scan_growth.py`).
+  zero = lambda p: parallel.to_varying(jnp.zeros_like(p), parallel.varying(p))
+  zeros = jax.tree.map(zero, params)
+  grads, sums = jax.lax.scan(add, zeros, micro)
+  sums = {
+    "total": jnp.sum(sums["total"]),
+    "count": jnp.sum(sums["count"]),
+    "aux": {k: jnp.mean(v) for k, v in sums["aux"].items()},
+  }
   return sums, grads
 
 
