@@ -5,6 +5,10 @@ and scanning over the layers.
 master weights is `model.dtype` vs `model.param_dtype`.)
 """
 
+import contextlib
+import contextvars
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -357,10 +361,132 @@ def _scan_blocks(stacked, x, *, remat: str, layer_kwargs):
     return x
 
   body, weights = _collecting_call(body)
-  if remat != "none":
-    # The scan body is the rematerialised unit, as each block is without scan. No CSE barrier
-    # is needed inside a loop body (jax.checkpoint's documentation).
-    body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
-  x, added = jax.lax.scan(body, x, states)
+  fused = _accumulation(states) if remat == "full" else None
+  if fused is not None:
+    x, added = _scan_accumulating(body, x, states, *fused)
+  else:
+    if remat != "none":
+      # The scan body is the rematerialised unit, as each block is without scan. No CSE barrier
+      # is needed inside a loop body (jax.checkpoint's documentation).
+      body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
+    x, added = jax.lax.scan(body, x, states)
   aux.add_collected(added, weights)  # summed over the repetitions
   return x
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient accumulation inside the layers' backward loop.
+#
+# With micro-batches (`train.micro_batches`), each slice's gradients are added to the ones of the
+# slices before. Differentiated as usual, the scanned layers' gradients of a slice fill a fresh
+# [L, ...] buffer, added to the running sum after the backward pass: two stacked fp32 gradient
+# buffers live at once. Under `accumulating`, a scan with remat="full" whose stacked parameters
+# all have a running sum (or are frozen) instead runs its own backward loop
+# (`_scan_accumulating`): each layer's input is kept, its forward recomputed and differentiated
+# as the rematerialised scan does, and its parameters' gradients added into the running sum at
+# that layer, in place. The cotangent it returns for those parameters is then already the
+# running sum plus this slice's gradients (the trainer does not add them again: `fused`).
+
+_ACCUMULATE = contextvars.ContextVar("accumulate", default=None)
+
+
+@contextlib.contextmanager
+def accumulating(params, sums, frozen=None):
+  """Within: scanned layers add the gradients of their parameters (leaves of `params`, traced by
+  jax.grad) into `sums` (the running sums, the same tree) in their backward loop. Yields the
+  set of indices (in jax.tree.leaves(params)) of the leaves that were: their cotangents include
+  `sums`; the others' do not. `frozen`: the parameters the model also uses, not
+  differentiated."""
+  leaves = jax.tree.leaves(params)
+  table = {id(p): a for p, a in zip(leaves, jax.tree.leaves(sums), strict=True)}
+  frozen_ids = {id(f) for f in jax.tree.leaves(frozen)} if frozen is not None else set()
+  consumed: set[int] = set()
+  token = _ACCUMULATE.set((table, frozen_ids, consumed))
+  fused: set[int] = set()
+  try:
+    yield fused
+  finally:
+    _ACCUMULATE.reset(token)
+    fused.update(i for i, p in enumerate(leaves) if id(p) in consumed)
+
+
+def _accumulation(states):
+  """(running sums, frozen mask) of the stacked leaves of `states`, when every one is either a
+  parameter being accumulated or a frozen one; None otherwise (the plain scan)."""
+  active = _ACCUMULATE.get()
+  if active is None:
+    return None
+  table, frozen_ids, consumed = active
+  leaves = jax.tree.leaves(states)
+  if not all(id(v) in table or id(v) in frozen_ids for v in leaves):
+    return None
+  consumed.update(id(v) for v in leaves if id(v) in table)
+  return [table.get(id(v)) for v in leaves], [id(v) not in table for v in leaves]
+
+
+def _scan_accumulating(body, x, states, sums, frozen):
+  """jax.lax.scan(body, x, states), differentiated by `_fused_scan` (see above)."""
+  leaves, treedef = jax.tree.flatten(states)
+  one = [leaf[0] for leaf in leaves]  # a layer's slice, to trace the body with
+
+  def call(x, layer_leaves):
+    return body(x, jax.tree.unflatten(treedef, layer_leaves))
+
+  call, consts = jax.closure_convert(call, x, one)
+  # What the body reads besides its input and its layer (positions, segment ids, a
+  # cross-attention's source): differentiated when inexact, passed through otherwise.
+  inexact = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
+  diff = [c for c, d in zip(consts, inexact, strict=True) if d]
+  rest = [c for c, d in zip(consts, inexact, strict=True) if not d]
+
+  def fn(diff, rest, x, layer_leaves):
+    it_d, it_r = iter(diff), iter(rest)
+    return call(x, layer_leaves, *[next(it_d) if d else next(it_r) for d in inexact])
+
+  trained = [s for s, f in zip(sums, frozen, strict=True) if not f]
+  return _fused_scan(fn, tuple(frozen), x, leaves, trained, diff, rest)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused_scan(fn, frozen, x, leaves, sums, diff, rest):
+  return jax.lax.scan(lambda x, layer: fn(diff, rest, x, layer), x, leaves)
+
+
+def _fused_scan_fwd(fn, frozen, x, leaves, sums, diff, rest):
+  def step(x, layer):
+    y, added = fn(diff, rest, x, layer)
+    return y, (added, x)
+
+  y, (added, inputs) = jax.lax.scan(step, x, leaves)
+  return (y, added), (inputs, leaves, sums, diff, rest)
+
+
+def _fused_scan_bwd(fn, frozen, res, cts):
+  inputs, leaves, sums, diff, rest = res
+  ct_y, ct_added = cts
+  num = inputs.shape[0]
+  zero = lambda c: parallel.to_varying(jnp.zeros_like(c), parallel.varying(c))
+
+  def back(carry, step):
+    ct_x, sums, ct_diff = carry
+    i, x, ct_add = step
+    layer = [jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False) for leaf in leaves]
+    _, vjp = jax.vjp(lambda d, x, layer: fn(d, rest, x, layer), diff, x, layer)
+    g_diff, ct_x, g_layer = vjp((ct_x, ct_add))
+    g_trained = [g for g, f in zip(g_layer, frozen, strict=True) if not f]
+    sums = [
+      jax.lax.dynamic_update_index_in_dim(s, jax.lax.dynamic_index_in_dim(s, i) + g[None], i, 0)
+      for s, g in zip(sums, g_trained, strict=True)
+    ]
+    ct_diff = [c + g for c, g in zip(ct_diff, g_diff, strict=True)]
+    return (ct_x, sums, ct_diff), None
+
+  steps = (jnp.arange(num), inputs, ct_added)
+  carry = (ct_y, list(sums), [zero(d) for d in diff])
+  ct_x, sums, ct_diff = jax.lax.scan(back, carry, steps, reverse=True)[0]
+  it = iter(sums)
+  ct_leaves = [None if f else next(it) for f in frozen]
+  return ct_x, ct_leaves, [None] * len(sums), ct_diff, [None] * len(rest)
+
+
+_fused_scan.defvjp(_fused_scan_fwd, _fused_scan_bwd)

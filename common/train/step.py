@@ -17,7 +17,7 @@ from flax import nnx
 
 from nnx_zoo.common import models, parallel
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import aux, lora
+from nnx_zoo.common.nn import aux, lora, memory
 from nnx_zoo.common.train import faults, losses
 
 
@@ -76,13 +76,26 @@ def sums_and_grads(
   micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
 
   def add(acc, one_batch):
-    grads, sums = grad_fn(params, one_batch)
-    return jax.tree.map(jnp.add, acc, grads), sums
+    fused = set()  # the leaves whose gradients the layers' backward loop added into `acc`
+
+    def accumulating(params, batch):
+      with memory.accumulating(params, acc, *frozen) as added:
+        out = objective(params, batch)
+      fused.update(added)
+      return out
+
+    grads, sums = jax.grad(accumulating, has_aux=True)(params, one_batch)
+    leaves, treedef = jax.tree.flatten(grads)
+    acc = jax.tree.leaves(acc)
+    leaves = [g if i in fused else a + g for i, (g, a) in enumerate(zip(leaves, acc, strict=True))]
+    return jax.tree.unflatten(treedef, leaves), sums
 
   # Every slice runs in the loop, adding into gradients that start at zero (typed as the params
   # are, so the loop's carry keeps their sharding types), and each slice's sums leave it as its
   # output. Starting from the first slice's gradients instead, computed before the loop, planned
   # 0.64 GiB more temporaries for Qwen3-30B's 48 layers on v5e-64 (`bench/scan_growth.py`).
+  # Scanned layers rematerialised in full add theirs in their own backward loop, in place
+  # (`memory.accumulating`).
   zero = lambda p: parallel.to_varying(jnp.zeros_like(p), parallel.varying(p))
   zeros = jax.tree.map(zero, params)
   grads, sums = jax.lax.scan(add, zeros, micro)

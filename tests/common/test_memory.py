@@ -268,3 +268,50 @@ def test_a_scanned_step_copies_no_stacked_parameters():
   assert "scan[" in jaxpr
   # jnp.stack of the 4 layers' weights is a concatenate into [4, ...] (the only 4 here: B=2, T=9).
   assert not re.search(r"f32\[4(,\d+)*\] = concatenate", jaxpr)
+
+
+def test_scanned_layers_add_each_micro_batch_into_the_sums_in_their_backward_loop(monkeypatch):
+  """Scanned and rematerialised in full, with micro-batches: each slice's layer gradients are
+  added into the running sums inside the layers' own backward loop (memory.accumulating, a
+  custom VJP), and the sums and gradients are still one batch's, unscanned."""
+  fused = []
+  scan = memory._scan_accumulating
+  monkeypatch.setattr(memory, "_scan_accumulating", lambda *a: fused.append(1) or scan(*a))
+  base = llama.config("tiny", num_layers=3)
+  cfg = with_scan(base, remat="full")
+  (got, (graphdef, params)) = sums(cfg, micro_batches=4)
+  assert fused  # the layers' own backward loop ran
+  assert_same(got, sums(base)[0])
+  fused.clear()
+  sums(cfg, micro_batches=1)  # nothing to add into
+  sums(with_scan(base, remat="save_dots"), micro_batches=4)  # its policy is the scan's
+  assert not fused
+
+
+def test_an_encoder_decoder_accumulates_in_both_stacks_and_through_the_cross_attention(
+  monkeypatch,
+):
+  """T5, scanned and rematerialised in full: the decoder's backward loop also gives the
+  gradient of the encoder's states it reads (what its body closes over), and the encoder's
+  loop accumulates too."""
+  fused = []
+  scan = memory._scan_accumulating
+  monkeypatch.setattr(memory, "_scan_accumulating", lambda *a: fused.append(1) or scan(*a))
+  rng = np.random.default_rng(0)
+  ids = lambda T: rng.integers(2, 100, (4, T)).astype(np.int32)
+  pairs = {
+    "inputs": ids(7),
+    "input_segment_ids": np.ones((4, 7), np.int32),
+    "targets": ids(5),
+    "target_segment_ids": np.ones((4, 5), np.int32),
+  }
+
+  def run(cfg, micro):
+    graphdef, params = nnx.split(models.build(cfg), nnx.Param)
+    fn = lambda p: sums_and_grads(p, pairs, graphdef=graphdef, micro_batches=micro)
+    return jax.jit(fn)(params)
+
+  base = t5.config("tiny", num_layers=3)
+  got = run(with_scan(base, remat="full"), 2)
+  assert len(fused) == 2  # the encoder's loop and the decoder's
+  assert_same(got, run(base, 1))

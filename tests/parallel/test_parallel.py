@@ -33,7 +33,15 @@ def results():
 
 
 @pytest.mark.parametrize(
-  "mesh", [*MESHES, "(2, 2, 2) micro_batches=2", "(2, 2, 2) scan", "(1, 4, 2) lora"]
+  "mesh",
+  [
+    *MESHES,
+    "(2, 2, 2) micro_batches=2",
+    "(2, 2, 2) scan",
+    "(2, 2, 2) scan full micro_batches=2",
+    "(1, 4, 2) lora",
+    "(1, 4, 2) lora scan full micro_batches=2",
+  ],
 )
 def test_loss_and_gradients_equal_single_device(results, mesh):
   """(1, 4, 2) lora: LoRA on every projection, the adapters' gradients (base frozen) against

@@ -103,6 +103,22 @@ def main(exp: str):
   )(place(scan_params), steps.put_batch(batch, layout))
   grads = memory.unstack_layers(grads)
   out["(2, 2, 2) scan"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
+  # Rematerialised in full, with micro-batches: the layers add each slice's gradients into the
+  # running sums in their own backward loop (memory.accumulating), under shard_map.
+  full = scanned.copy_and_resolve_references()
+  full.remat = "full"
+  full_graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(full)))
+  total, count, grads = jax.jit(
+    lambda p, b: sharded_sums_and_grads(
+      p, b, graphdef=full_graphdef, layout=layout, micro_batches=2
+    )
+  )(place(scan_params), steps.put_batch(batch, layout))
+  grads = memory.unstack_layers(grads)
+  out["(2, 2, 2) scan full micro_batches=2"] = {
+    "total": float(total),
+    "count": float(count),
+    "grads": flat(grads),
+  }
   # Where each stacked leaf is placed, and where the same layer's leaf is unstacked (slot j
   # of the one-layer pattern holds layers j, j + 1...: blocks.0's placement is every layer's).
   plain_specs = dict(nnx.to_flat_state(layout.param_specs(state.params)))
@@ -131,6 +147,24 @@ def main(exp: str):
     lambda t, f, b: sharded_sums_and_grads(t, b, graphdef=lora_graphdef, layout=layout, frozen=f)
   )(place(trained), place(frozen), steps.put_batch(batch, layout))
   out["(1, 4, 2) lora"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
+  # The same, scanned and rematerialised in full with micro-batches: frozen stacked base
+  # weights beside the trained adapters in the layers' own backward loop.
+  lora_full = lora_cfg.copy_and_resolve_references()
+  lora_full.scan, lora_full.remat = True, "full"
+  full_model = nnx.eval_shape(lambda: models.build(lora_full))
+  full_params = memory.match_layers(lora_params, nnx.state(full_model, nnx.Param))
+  trained, frozen = nnx.split_state(full_params, lora.trainable(lora_full), ...)
+  total, count, grads = jax.jit(
+    lambda t, f, b: sharded_sums_and_grads(
+      t, b, graphdef=nnx.graphdef(full_model), layout=layout, frozen=f, micro_batches=2
+    )
+  )(place(trained), place(frozen), steps.put_batch(batch, layout))
+  grads = memory.unstack_layers(grads)
+  out["(1, 4, 2) lora scan full micro_batches=2"] = {
+    "total": float(total),
+    "count": float(count),
+    "grads": flat(grads),
+  }
   # Where the compiled step gathers the weights under fsdp=8, scanned: the all-gathers at the
   # top level of the program (ENTRY) and in all (bench/fsdp_gathers.py prints more).
   layout = parallel.make_layout({"data": 1, "fsdp": 8, "tensor": 1})
