@@ -1,8 +1,9 @@
 """Memory levers shared by every family: rematerialisation of each block in the backward pass,
 and scanning over the layers.
 
-(Gradient accumulation lives in the trainer, `train.micro_batches`; bf16 compute with fp32
-master weights is `model.dtype` vs `model.param_dtype`.)
+(Gradient accumulation lives in the trainer, `train.micro_batches`, which a scan with
+remat="full" joins by adding each micro-batch's gradients in its own backward loop:
+`accumulating`; bf16 compute with fp32 master weights is `model.dtype` vs `model.param_dtype`.)
 """
 
 import contextlib

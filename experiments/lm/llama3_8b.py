@@ -54,8 +54,9 @@ def get_config(arg=None):
       ("cpu*", {"mesh.fsdp": -1}),
       # GPUs: 1 and 8 of 80 GB and of 141 GB, sized by arithmetic (common/mesh.gpu_rules).
       *mesh.gpu_rules(c.model, batch_size=c.train.batch_size, seq_len=c.data.seq_len),
-      # TPU, 64-chip slices: micro-batches per generation, sized with `zoo plan`.
-      *mesh.tpu_rules(v5p=2, v4=8, v6e=8, v5e=32),
+      # TPU, 64-chip slices: micro-batches per generation, sized with `zoo plan` (v5e: 16
+      # since the scanned layers accumulate them in their backward loop; 32 before).
+      *mesh.tpu_rules(v5p=2, v4=8, v6e=8, v5e=16),
   ]
 
   if arg == "long":

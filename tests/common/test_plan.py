@@ -352,7 +352,7 @@ def test_moe_train_step_runs_megablox_on_tpu(sizes):
 
 def test_plan_recipes_plans_the_slice_a_recipe_is_written_for():
   """bench/plan_recipes.py's table: each generation's 64-chip slice, or the larger one a
-  recipe's TPU rule names where 64 chips do not hold its step (the MoE recipes on v5e)."""
+  recipe's TPU rule names where 64 chips do not hold its step (Mixtral on v5e)."""
   import importlib.util
   import pathlib
 
@@ -364,7 +364,10 @@ def test_plan_recipes_plans_the_slice_a_recipe_is_written_for():
     bench.TOPOLOGIES
   )
   for exp in ("lm/mixtral-8x7b", "lm/qwen3-30b-a3b"):
-    assert bench.recipe_topology(exp, "v5e-64") == "v5e-128"
+    # Qwen3-30B's step fits 64 v5e chips since the scanned layers accumulate the micro-batches'
+    # gradients in their backward loop (13.4 GiB a chip); Mixtral's does not (17.5).
+    v5e = "v5e-64" if exp == "lm/qwen3-30b-a3b" else "v5e-128"
+    assert bench.recipe_topology(exp, "v5e-64") == v5e
     assert bench.recipe_topology(exp, "v5p-128") == "v5p-128"
     rules = plan.config(exp, "v5e-128").mesh_rules
     assert mesh.pick_rule(rules, plan.parse_topology("v5e-128").hardware)[0] == "tpu-v5-litex128"
