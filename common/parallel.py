@@ -381,4 +381,4 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 # Varying-axis types by hand, for custom VJPs under shard_map(check_vma=True) (the chunked loss,
 # the MoE grouped matmul, kernels/vma.py): what autodiff does for the implicit broadcasts, done
 # explicitly. Defined beside the kernels, which import nothing of common/.
-varying, to_varying, sum_to = vma.varying, vma.to_varying, vma.sum_to
+varying, to_varying, zeros_like, sum_to = vma.varying, vma.to_varying, vma.zeros_like, vma.sum_to

@@ -37,6 +37,12 @@ def to_varying(x, axes: frozenset):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def zeros_like(x):
+  """Zeros of `x`'s shape and dtype that vary over the axes `x` does (the start of a sum that
+  a loop's carry adds `x`-typed terms to)."""
+  return to_varying(jax.numpy.zeros_like(x), varying(x))
+
+
 def sum_to(ct, axes: frozenset):
   """A cotangent summed over the axes its primal did not vary over (autodiff's transpose of
   the implicit broadcast, done by hand in a custom VJP)."""

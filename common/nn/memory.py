@@ -362,9 +362,9 @@ def _scan_blocks(stacked, x, *, remat: str, layer_kwargs):
     return x
 
   body, weights = _collecting_call(body)
-  fused = _accumulation(states) if remat == "full" else None
-  if fused is not None:
-    x, added = _scan_accumulating(body, x, states, *fused)
+  sums = _accumulation(states) if remat == "full" else None
+  if sums is not None:
+    x, added = _scan_accumulating(body, x, states, sums)
   else:
     if remat != "none":
       # The scan body is the rematerialised unit, as each block is without scan. No CSE barrier
@@ -412,8 +412,8 @@ def accumulating(params, sums, frozen=None):
 
 
 def _accumulation(states):
-  """(running sums, frozen mask) of the stacked leaves of `states`, when every one is either a
-  parameter being accumulated or a frozen one; None otherwise (the plain scan)."""
+  """The running sum of each stacked leaf of `states` (None: a frozen one), when every one is
+  either a parameter being accumulated or a frozen one; None otherwise (the plain scan)."""
   active = _ACCUMULATE.get()
   if active is None:
     return None
@@ -422,11 +422,12 @@ def _accumulation(states):
   if not all(id(v) in table or id(v) in frozen_ids for v in leaves):
     return None
   consumed.update(id(v) for v in leaves if id(v) in table)
-  return [table.get(id(v)) for v in leaves], [id(v) not in table for v in leaves]
+  return [table.get(id(v)) for v in leaves]
 
 
-def _scan_accumulating(body, x, states, sums, frozen):
-  """jax.lax.scan(body, x, states), differentiated by `_fused_scan` (see above)."""
+def _scan_accumulating(body, x, states, sums):
+  """jax.lax.scan(body, x, states), differentiated by `_fused_scan` (see above); `sums`: each
+  stacked leaf's running sum, None for a frozen one."""
   leaves, treedef = jax.tree.flatten(states)
   one = [leaf[0] for leaf in leaves]  # a layer's slice, to trace the body with
 
@@ -444,8 +445,9 @@ def _scan_accumulating(body, x, states, sums, frozen):
     it_d, it_r = iter(diff), iter(rest)
     return call(x, layer_leaves, *[next(it_d) if d else next(it_r) for d in inexact])
 
-  trained = [s for s, f in zip(sums, frozen, strict=True) if not f]
-  return _fused_scan(fn, tuple(frozen), x, leaves, trained, diff, rest)
+  frozen = tuple(s is None for s in sums)
+  trained = [s for s in sums if s is not None]
+  return _fused_scan(fn, frozen, x, leaves, trained, diff, rest)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -466,7 +468,6 @@ def _fused_scan_bwd(fn, frozen, res, cts):
   inputs, leaves, sums, diff, rest = res
   ct_y, ct_added = cts
   num = inputs.shape[0]
-  zero = lambda c: parallel.to_varying(jnp.zeros_like(c), parallel.varying(c))
 
   def back(carry, step):
     ct_x, sums, ct_diff = carry
@@ -483,7 +484,7 @@ def _fused_scan_bwd(fn, frozen, res, cts):
     return (ct_x, sums, ct_diff), None
 
   steps = (jnp.arange(num), inputs, ct_added)
-  carry = (ct_y, list(sums), [zero(d) for d in diff])
+  carry = (ct_y, list(sums), [parallel.zeros_like(d) for d in diff])
   ct_x, sums, ct_diff = jax.lax.scan(back, carry, steps, reverse=True)[0]
   it = iter(sums)
   ct_leaves = [None if f else next(it) for f in frozen]

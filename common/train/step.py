@@ -69,9 +69,8 @@ def sums_and_grads(
     objective = total + count * aux.weighted_sum(entries) if entries else total
     return objective, {"total": total, "count": count, "aux": aux.means(entries)}
 
-  grad_fn = jax.grad(objective, has_aux=True)
   if micro_batches == 1:
-    grads, sums = grad_fn(params, batch)
+    grads, sums = jax.grad(objective, has_aux=True)(params, batch)
     return sums, grads
   micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
 
@@ -96,9 +95,7 @@ def sums_and_grads(
   # 0.64 GiB more temporaries for Qwen3-30B's 48 layers on v5e-64 (`bench/scan_growth.py`).
   # Scanned layers rematerialised in full add theirs in their own backward loop, in place
   # (`memory.accumulating`).
-  zero = lambda p: parallel.to_varying(jnp.zeros_like(p), parallel.varying(p))
-  zeros = jax.tree.map(zero, params)
-  grads, sums = jax.lax.scan(add, zeros, micro)
+  grads, sums = jax.lax.scan(add, jax.tree.map(parallel.zeros_like, params), micro)
   sums = {
     "total": jnp.sum(sums["total"]),
     "count": jnp.sum(sums["count"]),
