@@ -31,6 +31,7 @@ import threadpoolctl
 
 from nnx_zoo.common.data import audio, pipeline
 from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.train import faults
 
 KINDS = ("spoken_digits",)
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -170,9 +171,8 @@ def load_audio(cfg, split: str, count: int | None = None) -> tuple[list[dict], l
     ends = np.cumsum([len(c) for c in clips])
     samples = np.clip(np.round(np.concatenate(clips) * 32767), -32768, 32767).astype(np.int16)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + f".{os.getpid()}.tmp.npz"
-    np.savez(tmp, samples=samples, ends=ends)
-    os.replace(tmp, path)  # atomic: a half-written cache is never read
+    with faults.replacing(path) as tmp:  # a half-written cache is never read
+      np.savez(tmp, samples=samples, ends=ends)
   starts = np.concatenate([[0], ends[:-1]])
   clips = [samples[a:b].astype(np.float32) / 32767 for a, b in zip(starts, ends, strict=True)]
   return items, clips

@@ -4,6 +4,7 @@ updates, and finding an unwritable workdir before any work is done.
 Checkpoint integrity (unfinished saves, damaged files) lives in common/checkpoint.py.
 """
 
+import contextlib
 import functools
 import os
 import signal
@@ -185,3 +186,17 @@ def check_writable(*paths: str):
         f"Cannot write to {path} ({type(e).__name__}: {e.strerror or e}). Give a --workdir on "
         "a writable disk; nothing was trained."
       ) from None
+
+
+@contextlib.contextmanager
+def replacing(path: str):
+  """Yields a temporary path beside `path` to write to, and renames it onto `path` once the
+  write has finished: a reader (another process, a later run) sees the old file or the new one,
+  never a half-written one. On an error the temporary file is removed and `path` left alone."""
+  tmp = f"{path}.{os.getpid()}.tmp{os.path.splitext(path)[1]}"  # np.savez keeps a .npz name
+  try:
+    yield tmp
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)

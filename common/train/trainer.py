@@ -272,8 +272,8 @@ def check_workdir(cfg, workdir: str):
         "it with this experiment would mix the two: use a new --workdir, or the settings of "
         "the first run."
       )
-  if jax.process_index() == 0:
-    with open(path, "w") as f:
+  if jax.process_index() == 0:  # the other processes may be reading it (above): replaced whole
+    with faults.replacing(path) as tmp, open(tmp, "w") as f:
       f.write(config_lib.to_json(cfg))
 
 

@@ -4,6 +4,7 @@ unfinished checkpoints, an unwritable workdir, and bad data."""
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -374,6 +375,27 @@ def test_unwritable_workdirs_are_user_errors(tmp_path):
       faults.check_writable(str(workdir))
   faults.check_writable(str(tmp_path / "fine"))
   assert os.listdir(tmp_path / "fine") == []  # the probe is gone
+
+
+def test_replacing_shows_readers_the_old_file_until_the_new_one_is_whole(tmp_path):
+  """How process 0 rewrites a workdir's config.json while the other processes of a resumed run
+  read it: through a temporary file renamed into place, never by truncating the one there."""
+  path = str(tmp_path / "config.json")
+  with open(path, "w") as f:
+    f.write("old")
+  with faults.replacing(path) as tmp, open(tmp, "w") as f:
+    f.write("new, half")
+    f.flush()
+    with open(path) as reader:  # mid-write, a reader still gets the whole old file
+      assert reader.read() == "old"
+    f.write(" and whole")
+  assert pathlib.Path(path).read_text() == "new, half and whole"
+  with pytest.raises(RuntimeError), faults.replacing(path) as tmp:
+    with open(tmp, "w") as f:
+      f.write("never finished")
+    raise RuntimeError("killed mid-write")
+  assert pathlib.Path(path).read_text() == "new, half and whole"
+  assert os.listdir(tmp_path) == ["config.json"]  # no temporary file left behind
 
 
 def test_train_refuses_an_unwritable_workdir_before_loading_anything(tmp_path, monkeypatch):
