@@ -99,6 +99,7 @@ ADDED_LATER = {
   "model.lora.train": "",
   "model.num_labels": 0,
   "model.scan": False,
+  "model.drop_path": 0.0,
   "data.train_plays": "",
   "data.eval_fraction": 0.0,
   "data.mix": "none",

@@ -106,7 +106,9 @@ def restore_params(cfg, workdir: str, layout=None) -> tuple[nnx.GraphDef, nnx.St
     # A checkpoint of another model fails deep in orbax: say which keys differ instead.
     meta = ckpts.meta(step)
     saved = ml_collections.ConfigDict({"model": models.upgrade(meta["model"])})
-    changed = config_lib.differences(saved, {"model": model_cfg.to_dict()}, ignore=memory.LEVERS)
+    changed = config_lib.differences(
+      saved, {"model": model_cfg.to_dict()}, ignore=models.HOW_TRAINED
+    )
     if changed:
       raise UserError(
         f"{workdir} holds a checkpoint of a different model ({'; '.join(changed)}): give the "

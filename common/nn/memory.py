@@ -16,7 +16,7 @@ from flax import nnx
 
 from nnx_zoo.common import parallel
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import aux
+from nnx_zoo.common.nn import aux, noise
 
 # none: keep every activation; full: keep only each block's input and recompute the rest;
 # save_dots: keep the matmul outputs (cheap to store, dear to recompute), recompute the rest.
@@ -70,23 +70,30 @@ def run_blocks(
   def layer_kwargs(i: int) -> dict:
     return kwargs if per_slot is None else {**kwargs, **per_slot[i % period]}
 
+  # Training noise (common/nn/noise.py): one stream for this stack, each layer its own draws.
+  stream = noise.stack()
   if stacked is not None:
     scanned = num_stacked(stacked) * period
+    num_layers = scanned + len(blocks)
     if cache is None:
-      x = _scan_blocks(stacked, x, remat=remat, layer_kwargs=layer_kwargs)
+      x = _scan_blocks(
+        stacked, x, remat=remat, layer_kwargs=layer_kwargs, layer=(stream, num_layers)
+      )
       for k, block in enumerate(blocks):
-        x = _remat_block(block, x, remat=remat, kwargs=layer_kwargs(scanned + k))
+        with noise.layer(stream, scanned + k, num_layers):
+          x = _remat_block(block, x, remat=remat, kwargs=layer_kwargs(scanned + k))
       return x, None
-    layers = [layer(stacked, blocks, i) for i in range(scanned + len(blocks))]
+    layers = [layer(stacked, blocks, i) for i in range(num_layers)]
   else:
     layers = list(blocks)
   new_cache = []
   for i, block in enumerate(layers):
     layer_cache = None if cache is None else cache[i]
-    if remat == "none" or cache is not None:
-      x, layer_cache = block(x, cache=layer_cache, **layer_kwargs(i))
-    else:
-      x = _remat_block(block, x, remat=remat, kwargs=layer_kwargs(i))
+    with noise.layer(stream, i, len(layers)):
+      if remat == "none" or cache is not None:
+        x, layer_cache = block(x, cache=layer_cache, **layer_kwargs(i))
+      else:
+        x = _remat_block(block, x, remat=remat, kwargs=layer_kwargs(i))
     new_cache.append(layer_cache)
   return x, new_cache
 
@@ -348,17 +355,20 @@ def _remat_block(block, x, *, remat: str, kwargs: dict):
   return x
 
 
-def _scan_blocks(stacked, x, *, remat: str, layer_kwargs):
+def _scan_blocks(stacked, x, *, remat: str, layer_kwargs, layer: tuple):
   splits = [nnx.split(slot) for slot in stacked]
   graphdefs = [g for g, _ in splits]
   # One stack per slot of the pattern, [repetitions, ...] per leaf, as stored; inside shard_map
-  # these are the local shards. The scan hands the body one repetition's slice of each.
+  # these are the local shards. The scan hands the body one repetition's slice of each, and the
+  # repetition's index r (layer r * period + j draws its noise as that layer).
   states = tuple(s for _, s in splits)
+  stream, num_layers = layer
 
-  def body(x, states):
+  def body(x, r, states):
     for j, state in enumerate(states):
       block = nnx.merge(graphdefs[j], _layer_state(state))
-      x, _ = block(x, cache=None, **layer_kwargs(j))
+      with noise.layer(stream, r * len(states) + j, num_layers):
+        x, _ = block(x, cache=None, **layer_kwargs(j))
     return x
 
   body, weights = _collecting_call(body)
@@ -370,7 +380,8 @@ def _scan_blocks(stacked, x, *, remat: str, layer_kwargs):
       # The scan body is the rematerialised unit, as each block is without scan. No CSE barrier
       # is needed inside a loop body (jax.checkpoint's documentation).
       body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
-    x, added = jax.lax.scan(body, x, states)
+    reps = jnp.arange(num_stacked(stacked))
+    x, added = jax.lax.scan(lambda x, xs: body(x, *xs), x, (reps, states))
   aux.add_collected(added, weights)  # summed over the repetitions
   return x
 
@@ -426,24 +437,25 @@ def _accumulation(states):
 
 
 def _scan_accumulating(body, x, states, sums):
-  """jax.lax.scan(body, x, states), differentiated by `_fused_scan` (see above); `sums`: each
-  stacked leaf's running sum, None for a frozen one."""
+  """jax.lax.scan over (r, states[r]) of body(x, r, states[r]), differentiated by `_fused_scan`
+  (see above); `sums`: each stacked leaf's running sum, None for a frozen one."""
   leaves, treedef = jax.tree.flatten(states)
   one = [leaf[0] for leaf in leaves]  # a layer's slice, to trace the body with
 
-  def call(x, layer_leaves):
-    return body(x, jax.tree.unflatten(treedef, layer_leaves))
+  def call(x, r, layer_leaves):
+    return body(x, r, jax.tree.unflatten(treedef, layer_leaves))
 
-  call, consts = jax.closure_convert(call, x, one)
+  call, consts = jax.closure_convert(call, x, jnp.int32(0), one)
   # What the body reads besides its input and its layer (positions, segment ids, a
-  # cross-attention's source): differentiated when inexact, passed through otherwise.
+  # cross-attention's source, the step's noise key): differentiated when inexact, passed
+  # through otherwise.
   inexact = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
   diff = [c for c, d in zip(consts, inexact, strict=True) if d]
   rest = [c for c, d in zip(consts, inexact, strict=True) if not d]
 
-  def fn(diff, rest, x, layer_leaves):
+  def fn(diff, rest, x, r, layer_leaves):
     it_d, it_r = iter(diff), iter(rest)
-    return call(x, layer_leaves, *[next(it_d) if d else next(it_r) for d in inexact])
+    return call(x, r, layer_leaves, *[next(it_d) if d else next(it_r) for d in inexact])
 
   frozen = tuple(s is None for s in sums)
   trained = [s for s in sums if s is not None]
@@ -452,15 +464,16 @@ def _scan_accumulating(body, x, states, sums):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _fused_scan(fn, frozen, x, leaves, sums, diff, rest):
-  return jax.lax.scan(lambda x, layer: fn(diff, rest, x, layer), x, leaves)
+  reps = jnp.arange(leaves[0].shape[0])
+  return jax.lax.scan(lambda x, xs: fn(diff, rest, x, *xs), x, (reps, leaves))
 
 
 def _fused_scan_fwd(fn, frozen, x, leaves, sums, diff, rest):
-  def step(x, layer):
-    y, added = fn(diff, rest, x, layer)
+  def step(x, xs):
+    y, added = fn(diff, rest, x, *xs)
     return y, (added, x)
 
-  y, (added, inputs) = jax.lax.scan(step, x, leaves)
+  y, (added, inputs) = jax.lax.scan(step, x, (jnp.arange(leaves[0].shape[0]), leaves))
   return (y, added), (inputs, leaves, sums, diff, rest)
 
 
@@ -473,7 +486,7 @@ def _fused_scan_bwd(fn, frozen, res, cts):
     ct_x, sums, ct_diff = carry
     i, x, ct_add = step
     layer = [jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False) for leaf in leaves]
-    _, vjp = jax.vjp(lambda d, x, layer: fn(d, rest, x, layer), diff, x, layer)
+    _, vjp = jax.vjp(lambda d, x, layer: fn(d, rest, x, i, layer), diff, x, layer)
     g_diff, ct_x, g_layer = vjp((ct_x, ct_add))
     g_trained = [g for g, f in zip(g_layer, frozen, strict=True) if not f]
     sums = [

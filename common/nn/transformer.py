@@ -46,6 +46,7 @@ from nnx_zoo.common.nn import (
   memory,
   mlp,
   moe,  # noqa: F401  (registers mlp.kind "moe")
+  noise,
   norms,
   position,
 )
@@ -99,6 +100,8 @@ def config(
       "embed_scale": embed_scale,
       "layer_pattern": tuple(layer_pattern),
       "layer_kinds": layer_kinds or {},
+      # Stochastic depth in training: the rate at the last layer, rising from 0 at the first.
+      "drop_path": 0.0,
       **extra,
       "init_std": init_std,
       "remat": "none",  # or "full", "save_dots": recompute activations in the backward pass
@@ -299,6 +302,8 @@ class Block(nnx.Module):
     # The projections into the residual stream start smaller in deep models (GPT-2's 1/sqrt(2L)).
     out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
     self.placement = cfg.get("norm_placement", "pre")
+    # Stochastic depth: each residual branch dropped per row in training (common/nn/noise.py).
+    self.drop_path = cfg.get("drop_path", 0.0)
     both = self.placement == "both"
     self.attn_norm = norms.make(cfg.norm, D, **dt)
     self.attn = attention.Attention(
@@ -391,15 +396,18 @@ class Block(nnx.Module):
       cache=cache,
       **attn_kw,
     )
-    x_BTD = x_BTD + gate1[:, None, :] * h_BTD
+    x_BTD = x_BTD + noise.drop_path(gate1[:, None, :] * h_BTD, self.drop_path)
     mask_BT = None if segment_ids_BT is None else segment_ids_BT != 0
     h_BTD = self.mlp(conditioning.modulate(self.mlp_norm(x_BTD), shift2, scale2), mask_BT=mask_BT)
-    return x_BTD + gate2[:, None, :] * h_BTD, new_cache
+    return x_BTD + noise.drop_path(gate2[:, None, :] * h_BTD, self.drop_path), new_cache
 
   def _residual(self, x_BTD, h_BTD, norm, out_norm):
+    """The sub-layer's output h added to the stream x (the branch dropped as a whole for the
+    rows stochastic depth drops: after its own norm, before the stream's)."""
     if self.placement == "post":
-      return norm(x_BTD + h_BTD)
-    return x_BTD + (h_BTD if out_norm is None else out_norm(h_BTD))
+      return norm(x_BTD + noise.drop_path(h_BTD, self.drop_path))
+    h_BTD = h_BTD if out_norm is None else out_norm(h_BTD)
+    return x_BTD + noise.drop_path(h_BTD, self.drop_path)
 
 
 class _Stack(nnx.Module):

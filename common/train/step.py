@@ -6,6 +6,7 @@ when there is a mesh), the fused AdamW update, the non-finite guard, the weights
 batch's loss. `make_train_step` is the one jitted step `zoo run` runs (and `zoo plan` compiles).
 """
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -15,9 +16,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from nnx_zoo.common import config as config_lib
 from nnx_zoo.common import models, parallel
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import aux, lora, memory
+from nnx_zoo.common.nn import aux, lora, memory, noise
 from nnx_zoo.common.train import faults, losses
 
 
@@ -49,18 +51,34 @@ def ema_update(ema, params, *, decay: float, step):
 
 
 def sums_and_grads(
-  params, batch: dict, *, graphdef, micro_batches: int = 1, frozen=None, loss_chunk: int = 0
+  params,
+  batch: dict,
+  *,
+  graphdef,
+  micro_batches: int = 1,
+  frozen=None,
+  loss_chunk: int = 0,
+  noise_key=None,
+  rows=None,
 ) -> tuple[dict, nnx.State]:
   """The batch's summed task loss (`total`), the number of targets it sums over (`count`) and
   the mean of each auxiliary loss the layers added (`aux`, common/nn/aux.py), with the gradient
   of total + count * sum(weight * aux) with respect to `params` (`frozen`: parameters the model
   also uses, not differentiated). With micro_batches > 1 the batch is cut into that many slices
   run one after another (gradient accumulation: the activations of one slice are alive at a
-  time); the sums are the same."""
+  time); the sums are the same.
+
+  `noise_key` (raw key data): the step's training noise (stochastic depth, common/nn/noise.py),
+  drawn for the rows whose indices in the step's global batch are `rows` (those of `batch`)."""
   frozen = () if frozen is None else (frozen,)
+  if noise_key is not None:
+    batch = {"batch": batch, "rows": rows}
 
   def objective(params, batch):
-    with aux.collect() as entries:
+    drawing = contextlib.nullcontext()
+    if noise_key is not None:
+      batch, drawing = batch["batch"], noise.drawing(noise_key, batch["rows"])
+    with aux.collect() as entries, drawing:
       total, count = losses.task_sums(
         nnx.merge(graphdef, params, *frozen), batch, loss_chunk=loss_chunk
       )
@@ -138,10 +156,13 @@ def sharded_sums_and_grads(
   specs = layout.param_specs(params)
   frozen = nnx.State({}) if frozen is None else frozen
   batch, batch_specs = context_rows(batch, layout)
+  # Each device draws the noise of its own rows (their indices in the global batch).
+  rows = kw.pop("rows", None)
+  rows_spec = None if rows is None else layout.batch_spec
 
-  def local(params, frozen, batch):
+  def local(params, frozen, batch, rows):
     with parallel.active(layout):
-      sums, grads = sums_and_grads(params, batch, graphdef=graphdef, frozen=frozen, **kw)
+      sums, grads = sums_and_grads(params, batch, graphdef=graphdef, frozen=frozen, rows=rows, **kw)
     sums = {
       "total": parallel.token_sum(sums["total"]),
       "count": parallel.token_sum(sums["count"]),
@@ -152,10 +173,10 @@ def sharded_sums_and_grads(
   return jax.shard_map(
     local,
     mesh=layout.mesh,
-    in_specs=(specs, layout.param_specs(frozen), batch_specs),
+    in_specs=(specs, layout.param_specs(frozen), batch_specs, rows_spec),
     out_specs=(parallel.P(), specs),
     check_vma=True,
-  )(params, frozen, batch)
+  )(params, frozen, batch, rows)
 
 
 def train_step(
@@ -169,10 +190,14 @@ def train_step(
   trainable=nnx.Param,
   loss_chunk: int = 0,
   ema: float = 0.0,
+  noisy: bool = False,
 ) -> tuple[TrainState, dict]:
   # Only the trained part is differentiated and updated (all of it, unless LoRA freezes some).
   trained, frozen = nnx.split_state(state.params, trainable, ...)
   kw = dict(graphdef=graphdef, micro_batches=micro_batches, frozen=frozen, loss_chunk=loss_chunk)
+  if noisy:  # this step's key, and every row's index in the batch (common/nn/noise.py)
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    kw.update(noise_key=jax.random.key_data(key), rows=jnp.arange(batch_rows(batch)))
   if layout is None:
     sums, grads = sums_and_grads(trained, batch, **kw)
   else:
@@ -310,5 +335,20 @@ def make_train_step(cfg, *, tx, layout: parallel.Layout | None, shardings):
     trainable=lora.trainable(cfg.model),
     loss_chunk=cfg.train.loss_chunk,
     ema=cfg.train.ema,
+    noisy=noisy(cfg.model),
   )
   return jax.jit(step, donate_argnums=0, out_shardings=(shardings, None))
+
+
+def noisy(model_cfg) -> bool:
+  """Whether a model (or a model inside it: CLIP's towers, an encoder-decoder's sides) draws
+  training noise (`drop_path`)."""
+  return any(
+    k.split(".")[-1] == "drop_path" and bool(v)
+    for k, v in config_lib.flatten(model_cfg.to_dict()).items()
+  )
+
+
+def batch_rows(batch: dict) -> int:
+  """The number of rows (examples) a batch holds: the leading dim of its arrays."""
+  return jax.tree.leaves(batch)[0].shape[0]

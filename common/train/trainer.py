@@ -257,14 +257,14 @@ def check_workdir(cfg, workdir: str):
   path = os.path.join(workdir, "config.json")
   # Only checkpoints can be mixed up: a config.json alone (of a run refused for bad data, say)
   # is replaced. data.long_records checks the data without changing it, and the memory levers
-  # (model.remat, model.scan) how the model is computed, not what it is.
+  # (model.remat, model.scan) and stochastic depth how the model is computed, not what it is.
   if os.path.exists(path) and checkpoint.has_steps(workdir):
     with open(path) as f:
       old = config_lib.from_json(f.read())
     if "model" in old:
       old.model = models.upgrade(old.model.to_dict())
     changed = config_lib.differences(
-      old, cfg, within=("model.", "data."), ignore=("data.long_records", *memory.LEVERS)
+      old, cfg, within=("model.", "data."), ignore=("data.long_records", *models.HOW_TRAINED)
     )
     if changed:
       raise UserError(

@@ -452,3 +452,4 @@ def test_a_config_json_without_checkpoints_does_not_lock_the_workdir(tmp_path):
   with pytest.raises(UserError, match="different model or data"):
     trainer.check_workdir(smoke_config({"data.eval_plays": "hamlet"}), workdir)
   trainer.check_workdir(smoke_config({"data.long_records": "error"}), workdir)  # not a change
+  trainer.check_workdir(smoke_config({"model.drop_path": "0.1"}), workdir)  # how it trains

@@ -41,12 +41,15 @@ def results():
     "(2, 2, 2) scan full micro_batches=2",
     "(1, 4, 2) lora",
     "(1, 4, 2) lora scan full micro_batches=2",
+    "(2, 2, 2) drop_path",
+    "(2, 2, 2) drop_path scan full micro_batches=2",
   ],
 )
 def test_loss_and_gradients_equal_single_device(results, mesh):
   """(1, 4, 2) lora: LoRA on every projection, the adapters' gradients (base frozen) against
-  the same on one device."""
-  ref, got = results["lora single" if "lora" in mesh else "single"], results[mesh]
+  the same on one device. drop_path: stochastic depth at 0.5, the same draws as one device."""
+  kind = next((k for k in ("lora", "drop_path") if k in mesh), None)
+  ref, got = results[f"{kind} single" if kind else "single"], results[mesh]
   assert got["count"] == ref["count"]
   assert got["total"] == pytest.approx(ref["total"], rel=1e-5)
   assert got["grads"].keys() == ref["grads"].keys()

@@ -165,6 +165,33 @@ def main(exp: str):
     "count": float(count),
     "grads": flat(grads),
   }
+  # Stochastic depth (common/nn/noise.py): every row's masks come from its index in the global
+  # batch, so the sharded step draws what one device draws, scanned and in micro-batches too.
+  noisy = scanned.copy_and_resolve_references()
+  noisy.scan, noisy.remat, noisy.drop_path = False, "none", 0.5
+  noisy_graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(noisy)))
+  draws = dict(noise_key=jax.random.key_data(jax.random.key(7)), rows=np.arange(B))
+  total, count, grads = jax.jit(
+    lambda p, b: sums_and_grads(p, b, graphdef=noisy_graphdef, **draws)
+  )(state.params, batch)
+  out["drop_path single"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
+  layout = parallel.make_layout({"data": 2, "fsdp": 2, "tensor": 2})
+  total, count, grads = jax.jit(
+    lambda p, b: sharded_sums_and_grads(p, b, graphdef=noisy_graphdef, layout=layout, **draws)
+  )(place(state.params), steps.put_batch(batch, layout))
+  out["(2, 2, 2) drop_path"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
+  noisy.scan, noisy.remat = True, "full"
+  noisy_graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(noisy)))
+  total, count, grads = jax.jit(
+    lambda p, b: sharded_sums_and_grads(
+      p, b, graphdef=noisy_graphdef, layout=layout, micro_batches=2, **draws
+    )
+  )(place(scan_params), steps.put_batch(batch, layout))
+  out["(2, 2, 2) drop_path scan full micro_batches=2"] = {
+    "total": float(total),
+    "count": float(count),
+    "grads": flat(memory.unstack_layers(grads)),
+  }
   # Where the compiled step gathers the weights under fsdp=8, scanned: the all-gathers at the
   # top level of the program (ENTRY) and in all (bench/fsdp_gathers.py prints more).
   layout = parallel.make_layout({"data": 1, "fsdp": 8, "tensor": 1})
