@@ -37,6 +37,18 @@ def batch(B=8, T=17, vocab=256, seed=0):
   return {"tokens": rng.integers(0, vocab, (B, T)).astype(np.int32), "segment_ids": segments}
 
 
+def source_target_pairs(B=4, S=7, T=5):
+  """A batch of an encoder-decoder (T5's task): random source and target ids, no padding."""
+  rng = np.random.default_rng(0)
+  ids = lambda n: rng.integers(2, 100, (B, n)).astype(np.int32)
+  return {
+    "inputs": ids(S),
+    "input_segment_ids": np.ones((B, S), np.int32),
+    "targets": ids(T),
+    "target_segment_ids": np.ones((B, T), np.int32),
+  }
+
+
 def sums(cfg, micro_batches=1):
   graphdef, params = nnx.split(models.build(cfg), nnx.Param)
   fn = jax.jit(lambda p, b: sums_and_grads(p, b, graphdef=graphdef, micro_batches=micro_batches))
@@ -297,14 +309,7 @@ def test_an_encoder_decoder_accumulates_in_both_stacks_and_through_the_cross_att
   fused = []
   scan = memory._scan_accumulating
   monkeypatch.setattr(memory, "_scan_accumulating", lambda *a: fused.append(1) or scan(*a))
-  rng = np.random.default_rng(0)
-  ids = lambda T: rng.integers(2, 100, (4, T)).astype(np.int32)
-  pairs = {
-    "inputs": ids(7),
-    "input_segment_ids": np.ones((4, 7), np.int32),
-    "targets": ids(5),
-    "target_segment_ids": np.ones((4, 5), np.int32),
-  }
+  pairs = source_target_pairs()
 
   def run(cfg, micro):
     graphdef, params = nnx.split(models.build(cfg), nnx.Param)

@@ -15,7 +15,7 @@ from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.llama import model as llama
 from nnx_zoo.zoo.t5 import model as t5
 
-from .test_memory import assert_same, batch, sums_and_grads, with_scan
+from .test_memory import assert_same, batch, source_target_pairs, sums_and_grads, with_scan
 
 KEY = jax.random.key_data(jax.random.key(3))
 
@@ -106,14 +106,7 @@ def test_the_draws_do_not_depend_on_how_the_step_is_computed():
 def test_an_encoder_decoder_draws_per_stack_the_same_scanned_or_not():
   """T5's encoder and decoder each take their own stream (the same layer index of the two is
   not the same draw); scanned and rematerialised with micro-batches, the same sums."""
-  rng = np.random.default_rng(0)
-  ids = lambda T: rng.integers(2, 100, (4, T)).astype(np.int32)
-  pairs = {
-    "inputs": ids(7),
-    "input_segment_ids": np.ones((4, 7), np.int32),
-    "targets": ids(5),
-    "target_segment_ids": np.ones((4, 5), np.int32),
-  }
+  pairs = source_target_pairs()
   base = dropping(t5.config("tiny", num_layers=2))
   assert_same(draws(with_scan(base, remat="full"), 2, pairs), draws(base, 1, pairs))
   rows, streams = jnp.arange(64), []
