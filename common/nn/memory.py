@@ -77,7 +77,7 @@ def run_blocks(
     num_layers = scanned + len(blocks)
     if cache is None:
       x = _scan_blocks(
-        stacked, x, remat=remat, layer_kwargs=layer_kwargs, layer=(stream, num_layers)
+        stacked, x, remat=remat, layer_kwargs=layer_kwargs, stream=stream, num_layers=num_layers
       )
       for k, block in enumerate(blocks):
         with noise.layer(stream, scanned + k, num_layers):
@@ -355,14 +355,13 @@ def _remat_block(block, x, *, remat: str, kwargs: dict):
   return x
 
 
-def _scan_blocks(stacked, x, *, remat: str, layer_kwargs, layer: tuple):
+def _scan_blocks(stacked, x, *, remat: str, layer_kwargs, stream: int | None, num_layers: int):
   splits = [nnx.split(slot) for slot in stacked]
   graphdefs = [g for g, _ in splits]
   # One stack per slot of the pattern, [repetitions, ...] per leaf, as stored; inside shard_map
   # these are the local shards. The scan hands the body one repetition's slice of each, and the
   # repetition's index r (layer r * period + j draws its noise as that layer).
   states = tuple(s for _, s in splits)
-  stream, num_layers = layer
 
   def body(x, r, states):
     for j, state in enumerate(states):
@@ -464,8 +463,7 @@ def _scan_accumulating(body, x, states, sums):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _fused_scan(fn, frozen, x, leaves, sums, diff, rest):
-  reps = jnp.arange(leaves[0].shape[0])
-  return jax.lax.scan(lambda x, xs: fn(diff, rest, x, *xs), x, (reps, leaves))
+  return _fused_scan_fwd(fn, frozen, x, leaves, sums, diff, rest)[0]  # the residuals unused
 
 
 def _fused_scan_fwd(fn, frozen, x, leaves, sums, diff, rest):

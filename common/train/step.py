@@ -71,7 +71,7 @@ def sums_and_grads(
   `noise_key` (raw key data): the step's training noise (stochastic depth, common/nn/noise.py),
   drawn for the rows whose indices in the step's global batch are `rows` (those of `batch`)."""
   frozen = () if frozen is None else (frozen,)
-  if noise_key is not None:
+  if noise_key is not None:  # the rows' indices travel with the batch: a micro-batch gets its own
     batch = {"batch": batch, "rows": rows}
 
   def objective(params, batch):
@@ -311,7 +311,7 @@ def put_batch(batch: dict, layout: parallel.Layout | None) -> dict:
   # The global rows: this process holds `held` of the batch axes' `shards` blocks of rows.
   shards = math.prod(layout.sizes[a] for a in parallel.BATCH_AXES)
   held = parallel.process_block(layout, layout.batch_spec, (shards,))[0]
-  rows = len(jax.tree.leaves(batch)[0]) * shards // (held.stop - held.start)
+  rows = batch_rows(batch) * shards // (held.stop - held.start)
 
   def put(spec, x):
     shape = (rows, *x.shape[1:])
