@@ -1,5 +1,5 @@
-"""The `zoo` command: list, show, plan, run, eval, generate, convert, export. See DESIGN.md for the
-contract."""
+"""The `zoo` command: list, show, plan, run, eval, generate, data, convert, export. See DESIGN.md
+for the contract."""
 
 import argparse
 import json
@@ -19,6 +19,10 @@ zoo generate --workdir DIR --audio FILE.wav [--language en --task transcribe]  #
              model's transcript of up to 30 s (a speech run, or a converted Whisper checkpoint)
 zoo generate --workdir DIR (--labels 3,3,7 | --num-per-label N) --out FILE.npz [--guidance G
              --steps S --eta E --seed I]             # a class-conditional image model (DiT)
+zoo data prepare EXP --out DIR [--workers N] [--config.KEY=VALUE ...]  # tokenize the
+             experiment's sources once (data.kind=prepared, data.path=DIR then trains from them)
+zoo data show EXP [--split train|eval] [--rows N] [--json]  # the rows the trainer would see
+zoo data bench EXP                                # the pipeline's tokens/s beside the trainer's
 zoo convert hf SRC_DIR --out DIR [--param-dtype float32]  # Hugging Face dir -> zoo checkpoint
 zoo export hf --workdir DIR --out DIR             # zoo checkpoint -> Hugging Face dir
 
@@ -93,6 +97,24 @@ def parser() -> argparse.ArgumentParser:
   gen.add_argument("--top-k", type=int, default=0)
   gen.add_argument("--top-p", type=float, default=1.0)
   gen.add_argument("--seed", type=int, default=0)
+  data = sub.add_parser("data")
+  data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=Parser)
+  prep = data_sub.add_parser("prepare")
+  prep.add_argument("exp")
+  prep.add_argument("--out", required=True, help="the prepared directory")
+  prep.add_argument("--workers", type=int, default=0, help="worker processes (0: every core)")
+  prep.add_argument("--num-processes", type=int, default=1, help="hosts sharing the work")
+  prep.add_argument("--process-id", type=int, default=0, help="this host's index")
+  prep.add_argument("--quiet", action="store_true", help="no progress bar")
+  show_rows = data_sub.add_parser("show")
+  show_rows.add_argument("exp")
+  show_rows.add_argument("--split", default="train", choices=["train", "eval"])
+  show_rows.add_argument("--rows", type=int, default=4)
+  show_rows.add_argument("--json", action="store_true", help="one JSON object a row")
+  bench = data_sub.add_parser("bench")
+  bench.add_argument("exp")
+  bench.add_argument("--batches", type=int, default=50, help="pipeline batches timed")
+  bench.add_argument("--steps", type=int, default=5, help="train steps timed")
   conv = sub.add_parser("convert")
   conv.add_argument("format", choices=["hf"])
   conv.add_argument("src")
@@ -407,6 +429,29 @@ def generate_images(args, cfg):
   print(json.dumps({"out": os.path.abspath(out), "images": list(images.shape)}))
 
 
+def cmd_data(args, overrides):
+  from nnx_zoo.common import experiments
+  from nnx_zoo.common.data import prepare, report
+
+  cfg = experiments.get_config(args.exp, overrides)
+  if args.data_command == "prepare":
+    result = prepare.prepare(
+      cfg.data,
+      args.out,
+      workers=args.workers,
+      num_processes=args.num_processes,
+      process_id=args.process_id,
+      progress=not args.quiet,
+    )
+    print(json.dumps(result))
+  elif args.data_command == "show":
+    if args.rows < 1:
+      raise UserError("--rows must be at least 1.")
+    print(report.show(cfg, split=args.split, count=args.rows, as_json=args.json))
+  else:
+    print(json.dumps(report.bench(cfg, batches=args.batches, steps=args.steps)))
+
+
 def cmd_convert(args, _overrides):
   from nnx_zoo.common import hub
 
@@ -426,6 +471,7 @@ COMMANDS = {
   "run": cmd_run,
   "eval": cmd_eval,
   "generate": cmd_generate,
+  "data": cmd_data,
   "convert": cmd_convert,
   "export": cmd_export,
 }

@@ -108,6 +108,9 @@ ADDED_LATER = {
   "data.freq_warp": [1.0, 1.0],
   "data.tempo_perturb": [1.0, 1.0],
   "data.noise_prob": 1.0,
+  "data.path": "",
+  "data.mixture": "",
+  "data.workers": 0,
 }
 
 

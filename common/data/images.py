@@ -20,8 +20,9 @@ import grain
 import ml_collections
 import numpy as np
 
-from nnx_zoo.common.data import pipeline
+from nnx_zoo.common.data import kinds, pipeline, sources
 from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.train import diffusion  # which imports this module lazily: no cycle
 
 KINDS = ("digits", "npz")
 AUGMENTS = ("none", "shift", "affine")
@@ -126,7 +127,7 @@ def read_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def read_files(patterns: str, key: str) -> tuple[np.ndarray, np.ndarray]:
-  files = pipeline.expand_files(patterns, key)
+  files = sources.expand(patterns, key=key)
   parts = [read_npz(f) for f in files]
   shapes = {p[0].shape[1:] for p in parts}
   if len(shapes) > 1:
@@ -146,7 +147,7 @@ def load_split(cfg, split: str) -> Images | None:
     if split == "eval" and not patterns:
       return None
     images, labels = read_files(patterns, f"data.{split}_files")
-    name = ",".join(os.path.basename(f) for f in pipeline.expand_files(patterns))
+    name = ",".join(os.path.basename(f) for f in sources.expand(patterns))
     return Images(images, labels, f"npz:{split}:{name}")
   raise UserError(f"Unknown image data kind {cfg.kind!r}: use one of {KINDS}.")
 
@@ -348,3 +349,48 @@ def encode_texts(texts: list[str], length: int) -> np.ndarray:
 def caption_tokens(length: int) -> np.ndarray:
   """Every caption of every digit as tokens: [classes, captions, length] int32."""
   return np.stack([encode_texts(captions(d), length) for d in range(len(NUMBER_WORDS))])
+
+
+# The trainer's data kinds (common/data/kinds.py)
+
+
+def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Data:
+  """Augmented (or mixed) training images, the held-out ones; noised for a denoiser (an
+  experiment with a `diffusion` section), paired with captions for CLIP (data.caption_len)."""
+  held_out = load_split(cfg.data, "eval")
+  length = cfg.data.caption_len  # > 0: image-caption pairs (CLIP)
+  iterator, then, batches = None, None, eval_batches
+  if cfg.get("diffusion") is not None:  # a denoiser: the forward process drawn with the data
+    num_classes = cfg.model.conditioning.num_classes
+    then = functools.partial(diffusion.noise_example, cfg=cfg.diffusion, num_classes=num_classes)
+    batches = diffusion.eval_batches(cfg.diffusion, num_classes, eval_batches)
+  if train:
+    # Refused here rather than in a check: only training mixes, so `zoo eval` reads such a
+    # config as it always has.
+    if cfg.data.mix != "none" and (then is not None or length):
+      raise UserError(
+        f"data.mix={cfg.data.mix!r} mixes a classifier's labels; this task (a denoiser or "
+        "image-caption pairs) has none to mix: set data.mix='none'."
+      )
+    iterator = train_iterator(
+      load_split(cfg.data, "train"),
+      batch_size=batch_size,
+      seed=cfg.seed,
+      augment=cfg.data.augment,
+      max_shift=cfg.data.max_shift,
+      max_rotate=cfg.data.max_rotate,
+      max_scale=cfg.data.max_scale,
+      augment_prob=cfg.data.augment_prob,
+      mix=cfg.data.mix,
+      mix_alpha=cfg.data.mix_alpha,
+      mix_prob=cfg.data.mix_prob,
+      caption_tokens=caption_tokens(length) if length else None,
+      then=then,
+      share=share,
+    )
+  prompts = encode_texts(class_prompts(), length) if length else None
+  return kinds.Data(iterator, held_out, batches, 1, prompts)
+
+
+for _kind in KINDS:
+  kinds.register(kinds.Kind(_kind, load))

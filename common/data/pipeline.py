@@ -10,7 +10,6 @@ goes into every checkpoint: a resumed run sees exactly the batches it would have
 
 import glob
 import importlib.util
-import json
 import os
 import re
 from collections.abc import Callable
@@ -20,7 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from nnx_zoo.common.data import tokenizers
+from nnx_zoo.common.data import kinds, sources, tokenizers
 from nnx_zoo.common.errors import UserError, suggest
 
 # Documents
@@ -48,47 +47,10 @@ def read_shakespeare(plays: list[str]) -> list[str]:
   ]
 
 
-def expand_files(patterns: str, key: str = "data.train_files") -> list[str]:
-  """Comma-separated paths or globs -> sorted files; nothing matched is a UserError."""
-  files = []
-  for pattern in [p.strip() for p in patterns.split(",") if p.strip()]:
-    matched = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
-    matched = [m for m in matched if os.path.isfile(m)]
-    if not matched:
-      raise UserError(f"No data file matches {pattern!r}: check the path ({key}).")
-    files += matched
-  if not files:
-    raise UserError("No data files given: set --config.data.train_files=PATH_OR_GLOB.")
-  return files
-
-
 def read_files(files: list[str], *, text_field: str = "text") -> list[str]:
-  """Text files are one document each; `.jsonl` files one document per line's `text_field`."""
-  docs = []
-  for path in files:
-    try:
-      with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-          for n, line in enumerate(f, 1):
-            if line.strip():
-              record = json.loads(line)
-              if text_field not in record:
-                raise UserError(f"{path}:{n} has no field {text_field!r} (data.text_field).")
-              docs.append(record[text_field])
-        else:
-          text = f.read()
-          if "\0" in text:  # valid UTF-8 but binary (an archive, an array, a model file)
-            raise UserError(
-              f"{path} is not a text file (it holds NUL bytes): point data.train_files and "
-              "data.eval_files at text or .jsonl files."
-            )
-          docs.append(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-      raise UserError(
-        f"{path} is not a UTF-8 {'JSONL' if path.endswith('.jsonl') else 'text'} file "
-        f"({type(e).__name__}: {e}). Point data.train_files at text or .jsonl files."
-      ) from None
-  return docs
+  """The documents of each source (common/data/sources.py: a text file is one document, a JSONL,
+  Parquet or datasets source one per record's `text_field`)."""
+  return [doc for path in files for doc in sources.documents(path, text_field=text_field)]
 
 
 def _plays(value: str, key: str, known: list[str]) -> list[str]:
@@ -131,7 +93,8 @@ def documents(cfg, split: str) -> list[str]:
     pattern = cfg.train_files if split == "train" else cfg.eval_files
     if split == "eval" and not pattern:
       return []
-    return read_files(expand_files(pattern, f"data.{split}_files"), text_field=cfg.text_field)
+    paths = sources.expand(pattern, key=f"data.{split}_files")
+    return read_files(paths, text_field=cfg.text_field)
   raise UserError(f"Unknown data kind {cfg.kind!r}: use one of {KINDS}.")
 
 
@@ -252,7 +215,8 @@ KINDS = ("shakespeare", "files", "shakespeare_genre")
 
 def config(**kw) -> ml_collections.ConfigDict:
   """A data sub-config. kind: "shakespeare" (held out by play, or by the end of each play with
-  eval_fraction), "files" (text or .jsonl), "shakespeare_genre" (lines labelled by genre)."""
+  eval_fraction), "files" (text, JSONL, Parquet, ... see common/data/sources.py),
+  "shakespeare_genre" (lines labelled by genre), "prepared" (`zoo data prepare`'s shards)."""
   cfg = {
     "kind": "shakespeare",
     "eval_plays": "",
@@ -266,6 +230,11 @@ def config(**kw) -> ml_collections.ConfigDict:
     # A document (JSONL record or text file) longer than a row of seq_len + 1 tokens: "split"
     # continues it into the next rows, "error" refuses the data.
     "long_records": "split",
+    # kind="prepared": the directory `zoo data prepare` wrote, or a mixture of several,
+    # "NAME=DIR@WEIGHT,..." (common/data/prepared.py); threads reading batches ahead (0: none).
+    "path": "",
+    "mixture": "",
+    "workers": 0,
   }
   unknown = set(kw) - set(cfg)
   if unknown:
@@ -406,3 +375,28 @@ def train_iterator(
 def eval_batches(rows: Rows, *, batch_size: int, max_batches: int = 0, share=None):
   """The held-out rows in order, the last batch padded with segment 0 (masked from the loss)."""
   return padded_batches(rows.packed, batch_size=batch_size, max_batches=max_batches, share=share)
+
+
+# The trainer's data kinds (common/data/kinds.py): text packed into rows, and labelled lines
+
+
+def check(cfg):
+  """The tokenizer's ids fit the model's vocabulary."""
+  kinds.check_vocab(
+    cfg, tokenizers.load(cfg.data.tokenizer).vocab_size, "The tokenizer has {ids} ids"
+  )
+
+
+def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Data:
+  """The tokenized rows of `load_split`: shuffled batches to train on, the held-out ones."""
+  tokenizer = tokenizers.load(cfg.data.tokenizer)
+  iterator = None
+  if train:
+    rows = load_split(cfg.data, "train", tokenizer)
+    iterator = train_iterator(rows, batch_size=batch_size, seed=cfg.seed, share=share)
+  held_out = load_split(cfg.data, "eval", tokenizer)
+  return kinds.Data(iterator, held_out, eval_batches, cfg.data.seq_len)
+
+
+for _kind in KINDS:
+  kinds.register(kinds.Kind(_kind, load, check))

@@ -23,7 +23,7 @@ import re
 import ml_collections
 import numpy as np
 
-from nnx_zoo.common.data import pipeline, tokenizers
+from nnx_zoo.common.data import kinds, pipeline, tokenizers
 from nnx_zoo.common.errors import UserError
 
 
@@ -285,3 +285,37 @@ def decode_output(ids, tokenizer, vocab_size: int, extra_ids: int) -> str:
 
 def has_sentinels(text: str) -> bool:
   return SENTINEL.search(text) is not None
+
+
+# The trainer's data kind (common/data/kinds.py)
+
+
+def check(cfg):
+  """The model's vocabulary holds the tokenizer's ids and the sentinels above them."""
+  tokenizer = tokenizers.load(cfg.data.tokenizer)
+  ids = vocab_size(cfg.data, tokenizer)
+  what = (
+    f"The data uses {{ids}} ids (the tokenizer's {tokenizer.vocab_size} and "
+    f"data.extra_ids={cfg.data.extra_ids} sentinels)"
+  )
+  kinds.check_vocab(cfg, ids, what)
+
+
+def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Data:
+  """Rows corrupted anew each epoch to train on, the held-out pairs corrupted once."""
+  tokenizer = tokenizers.load(cfg.data.tokenizer)
+  iterator = None
+  if train:
+    iterator = train_iterator(
+      load_split(cfg.data, "train", tokenizer),
+      batch_size=batch_size,
+      seed=cfg.seed,
+      corrupt=corrupter(cfg.data, tokenizer),
+      share=share,
+    )
+  held_out = load_split(cfg.data, "eval", tokenizer)
+  return kinds.Data(iterator, held_out, pipeline.eval_batches, cfg.data.seq_len)
+
+
+for _kind in KINDS:
+  kinds.register(kinds.Kind(_kind, load, check))

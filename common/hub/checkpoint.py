@@ -10,6 +10,8 @@ after a newer one is complete. A step whose files are damaged is found at restor
 """
 
 import dataclasses
+import glob
+import json
 import os
 import shutil
 
@@ -20,8 +22,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.files import warn
 from nnx_zoo.common.nn import memory
-from nnx_zoo.common.train.faults import warn
 
 
 def directory(workdir: str) -> str:
@@ -90,9 +92,9 @@ class Checkpoints:
       items = {"state": args}
     else:
       items = {"state": ocp.args.StandardRestore(target)}
-    if data_iterator is not None:
-      items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
     state = self.manager.restore(step, args=ocp.args.Composite(**items)).state
+    if data_iterator is not None:
+      restore_iterator(os.path.join(self.path, str(step), "data"), data_iterator)
     if have == want:
       return state
     state = memory.relayout(state, want)
@@ -168,6 +170,25 @@ class Checkpoints:
 
   def close(self):
     self.manager.close()
+
+
+def restore_iterator(path: str, iterator):
+  """Moves a data iterator to where the step at `path` left it. Each process saved its own
+  state (grain's `process_I-of-N.json`), but the zoo's iterators all hold the index of the next
+  global batch, the same on every process: a step saved by N processes resumes on any number,
+  reading the state this process would have saved, or else process 0's."""
+  index, count = jax.process_index(), jax.process_count()
+  own = os.path.join(path, f"process_{index}-of-{count}.json")
+  saved = sorted(glob.glob(os.path.join(path, "process_*-of-*.json")))
+  if not os.path.exists(own):
+    if not saved:
+      raise ValueError(f"{path} holds no data iterator state")
+    own = next((p for p in saved if os.path.basename(p).startswith("process_0-")), saved[0])
+  with open(own) as f:
+    state = json.load(f)
+  iterator.set_state(state)
+  if hasattr(iterator, "start_prefetch"):  # as grain's own handler does after set_state
+    iterator.start_prefetch()
 
 
 def _params(state):

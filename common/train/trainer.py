@@ -9,7 +9,6 @@ import dataclasses
 import functools
 import os
 import time
-from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +17,12 @@ import numpy as np
 from flax import nnx
 
 from nnx_zoo.common import config as config_lib
-from nnx_zoo.common import mesh, models, parallel
-from nnx_zoo.common.data import images, pipeline, spans, speech, tokenizers
+from nnx_zoo.common import files, mesh, models, parallel
+from nnx_zoo.common.data import kinds, prepared
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
 from nnx_zoo.common.nn import memory
-from nnx_zoo.common.train import diffusion, faults, optim
+from nnx_zoo.common.train import faults, optim
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.common.train.metrics import MetricsLog
 
@@ -42,7 +41,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     init_from = weights.init_params(cfg, nnx.state(models.abstract(cfg.model), nnx.Param))
   check_workdir(cfg, workdir)
 
-  # Data: the pipeline of cfg.data.kind (text rows or images, see `load_data`)
+  # Data: what cfg.data.kind's module of common/data/ loads (`load_data`)
   data = load_data(cfg, layout=layout)
   data_iter = data.iterator
 
@@ -135,137 +134,34 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
 # Start-up pieces (also used by `zoo eval`)
 
 
-@dataclasses.dataclass
-class Data:
-  """A data kind's splits as the trainer uses them."""
-
-  iterator: Iterator | None  # endless training batches (a grain iterator: its state is saved)
-  eval: object | None  # the held-out split; None when the data has none
-  eval_batches: Callable[..., Iterator]  # (split, *, batch_size, max_batches) -> batches
-  tokens_per_row: int  # a batch row's tokens for tokens_per_s (an image counts as one)
-  prompts: np.ndarray | None = None  # CLIP: the class prompts' tokens, for zero-shot accuracy
-  # A held-out metric computed from the params beyond the loss, (graphdef, params) -> dict
-  # (speech: the word error rate of greedy transcripts).
-  score: Callable[..., dict] | None = None
-
-
-def load_data(cfg, *, train: bool = True, layout: parallel.Layout | None = None) -> Data:
-  """The data of `cfg.data.kind`: the one place that picks a pipeline by data kind (text rows,
-  common/data/pipeline.py; images, common/data/images.py, noised for a denoiser when the
-  experiment has a `diffusion` section; span-corrupted source and target rows,
-  common/data/spans.py; spoken audio and its words, common/data/speech.py). `train=False`: the
-  held-out split only (`zoo eval`). Each process reads the rows of every batch that its devices
-  of `layout` hold (`parallel.process_rows`)."""
+def load_data(cfg, *, train: bool = True, layout: parallel.Layout | None = None) -> kinds.Data:
+  """The data of `cfg.data.kind`, as its module of common/data/ registers it (common/data/
+  kinds.py), checked against the model config. `train=False`: the held-out split only (`zoo
+  eval`). Each process reads the rows of every batch that its devices of `layout` hold
+  (`parallel.process_rows`)."""
   batch_size = cfg.train.batch_size
   share = parallel.process_rows(layout, batch_size)
-  data = _load_data(cfg, train, batch_size, share)
+  data = kinds.load(cfg, train=train, batch_size=batch_size, share=share)
   return dataclasses.replace(data, eval_batches=functools.partial(data.eval_batches, share=share))
-
-
-def _load_data(cfg, train: bool, batch_size: int, share: slice | None) -> Data:
-  if cfg.data.kind in speech.KINDS:
-    if cfg.model.vocab_size < speech.VOCAB_SIZE:
-      raise UserError(
-        f"The spoken words use {speech.VOCAB_SIZE} ids but model.vocab_size is "
-        f"{cfg.model.vocab_size}: set --config.model.vocab_size={speech.VOCAB_SIZE} or more."
-      )
-    held_out = speech.load_split(cfg.data, "eval")
-    iterator = None
-    if train:
-      iterator = speech.train_iterator(
-        speech.load_split(cfg.data, "train"),
-        cfg.data,
-        batch_size=batch_size,
-        seed=cfg.seed,
-        share=share,
-      )
-
-    def score(graphdef, params):
-      return speech.word_error_rate((graphdef, params), held_out, cfg.data)
-
-    rows = speech.target_len(cfg.data)
-    return Data(iterator, held_out, speech.eval_batches, rows, score=score)
-  if cfg.data.kind in images.KINDS:
-    held_out = images.load_split(cfg.data, "eval")
-    length = cfg.data.caption_len  # > 0: image-caption pairs (CLIP)
-    iterator, then, batches = None, None, images.eval_batches
-    if cfg.get("diffusion") is not None:  # a denoiser: the forward process drawn with the data
-      num_classes = cfg.model.conditioning.num_classes
-      then = functools.partial(diffusion.noise_example, cfg=cfg.diffusion, num_classes=num_classes)
-      batches = diffusion.eval_batches(cfg.diffusion, num_classes, images.eval_batches)
-    if train:
-      if cfg.data.mix != "none" and (then is not None or length):
-        raise UserError(
-          f"data.mix={cfg.data.mix!r} mixes a classifier's labels; this task (a denoiser or "
-          "image-caption pairs) has none to mix: set data.mix='none'."
-        )
-      iterator = images.train_iterator(
-        images.load_split(cfg.data, "train"),
-        batch_size=batch_size,
-        seed=cfg.seed,
-        augment=cfg.data.augment,
-        max_shift=cfg.data.max_shift,
-        max_rotate=cfg.data.max_rotate,
-        max_scale=cfg.data.max_scale,
-        augment_prob=cfg.data.augment_prob,
-        mix=cfg.data.mix,
-        mix_alpha=cfg.data.mix_alpha,
-        mix_prob=cfg.data.mix_prob,
-        caption_tokens=images.caption_tokens(length) if length else None,
-        then=then,
-        share=share,
-      )
-    prompts = images.encode_texts(images.class_prompts(), length) if length else None
-    return Data(iterator, held_out, batches, 1, prompts)
-  if cfg.data.kind in spans.KINDS:
-    tokenizer = tokenizers.load(cfg.data.tokenizer)
-    ids = spans.vocab_size(cfg.data, tokenizer)
-    if ids > cfg.model.vocab_size:
-      raise UserError(
-        f"The data uses {ids} ids (the tokenizer's {tokenizer.vocab_size} and "
-        f"data.extra_ids={cfg.data.extra_ids} sentinels) but model.vocab_size is "
-        f"{cfg.model.vocab_size}: set --config.model.vocab_size={ids} or more."
-      )
-    iterator = None
-    if train:
-      iterator = spans.train_iterator(
-        spans.load_split(cfg.data, "train", tokenizer),
-        batch_size=batch_size,
-        seed=cfg.seed,
-        corrupt=spans.corrupter(cfg.data, tokenizer),
-        share=share,
-      )
-    held_out = spans.load_split(cfg.data, "eval", tokenizer)
-    return Data(iterator, held_out, pipeline.eval_batches, cfg.data.seq_len)
-  tokenizer = tokenizers.load(cfg.data.tokenizer)
-  if tokenizer.vocab_size > cfg.model.vocab_size:
-    raise UserError(
-      f"The tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
-      f"{cfg.model.vocab_size}: set --config.model.vocab_size={tokenizer.vocab_size} or more."
-    )
-  iterator = None
-  if train:
-    rows = pipeline.load_split(cfg.data, "train", tokenizer)
-    iterator = pipeline.train_iterator(rows, batch_size=batch_size, seed=cfg.seed, share=share)
-  held_out = pipeline.load_split(cfg.data, "eval", tokenizer)
-  return Data(iterator, held_out, pipeline.eval_batches, cfg.data.seq_len)
 
 
 def check_workdir(cfg, workdir: str):
   """Writes DIR/config.json, or checks that the one there describes the same model and data."""
-  faults.check_writable(workdir, checkpoint.directory(workdir))  # now, not at the first save
+  files.check_writable(workdir, checkpoint.directory(workdir))  # now, not at the first save
   path = os.path.join(workdir, "config.json")
   # Only checkpoints can be mixed up: a config.json alone (of a run refused for bad data, say)
-  # is replaced. data.long_records checks the data without changing it, and the memory levers
-  # (model.remat, model.scan) and stochastic depth how the model is computed, not what it is.
+  # is replaced. data.long_records checks the data without changing it, data.workers only reads
+  # it ahead, and the memory levers (model.remat, model.scan) and stochastic depth say how the
+  # model is computed, not what it is. A mixture's weights may change (prepared.reweighted).
   if os.path.exists(path) and checkpoint.has_steps(workdir):
     with open(path) as f:
       old = config_lib.from_json(f.read())
     if "model" in old:
       old.model = models.upgrade(old.model.to_dict())
-    changed = config_lib.differences(
-      old, cfg, within=("model.", "data."), ignore=("data.long_records", *models.HOW_TRAINED)
-    )
+    ignore = ("data.long_records", "data.workers", *models.HOW_TRAINED)
+    if prepared.reweighted(old.get("data", {}).get("mixture", ""), cfg.data.get("mixture", "")):
+      ignore += ("data.mixture",)
+    changed = config_lib.differences(old, cfg, within=("model.", "data."), ignore=ignore)
     if changed:
       raise UserError(
         f"{workdir} holds a run of a different model or data ({'; '.join(changed)}). Resuming "
@@ -273,11 +169,13 @@ def check_workdir(cfg, workdir: str):
         "the first run."
       )
   if jax.process_index() == 0:  # the other processes may be reading it (above): replaced whole
-    with faults.replacing(path) as tmp, open(tmp, "w") as f:
+    with files.replacing(path) as tmp, open(tmp, "w") as f:
       f.write(config_lib.to_json(cfg))
 
 
-def evaluate(params, data: Data, *, graphdef, cfg, layout: parallel.Layout | None = None) -> dict:
+def evaluate(
+  params, data: kinds.Data, *, graphdef, cfg, layout: parallel.Layout | None = None
+) -> dict:
   """Mean loss over the held-out rows (all of them unless train.eval_batches limits it), and a
   classifier's accuracy (CLIP's: zero-shot, by its class prompts).
 
@@ -288,12 +186,21 @@ def evaluate(params, data: Data, *, graphdef, cfg, layout: parallel.Layout | Non
     step = jax.jit(functools.partial(steps.sharded_eval_step, graphdef=graphdef, layout=layout))
   else:
     step = jax.jit(functools.partial(steps.eval_step, graphdef=graphdef, prompts=data.prompts))
-  sums = {}
-  for batch in data.eval_batches(
-    data.eval, batch_size=cfg.train.batch_size, max_batches=cfg.train.eval_batches
-  ):
-    for k, v in step(params, steps.put_batch(batch, layout)).items():
-      sums[k] = sums.get(k, 0.0) + float(v)
+  # A mixture's held-out splits are {component: split}: each one's loss is reported beside the
+  # total (`loss/<name>`), which is the mean over all of their targets.
+  parts = data.eval if isinstance(data.eval, dict) else {"": data.eval}
+  sums, part_loss = {}, {}
+  for name, held_out in parts.items():
+    part = {}
+    for batch in data.eval_batches(
+      held_out, batch_size=cfg.train.batch_size, max_batches=cfg.train.eval_batches
+    ):
+      for k, v in step(params, steps.put_batch(batch, layout)).items():
+        part[k] = part.get(k, 0.0) + float(v)
+    for k, v in part.items():
+      sums[k] = sums.get(k, 0.0) + v
+    if name:
+      part_loss[f"loss/{name}"] = part["total"] / max(part["count"], 1.0)
   count = max(sums["count"], 1.0)
   loss = sums["total"] / count
   if data.score is not None:
@@ -302,4 +209,5 @@ def evaluate(params, data: Data, *, graphdef, cfg, layout: parallel.Layout | Non
     return {"loss": loss, "accuracy": sums["correct"] / count, "examples": int(sums["count"])}
   if cfg.get("diffusion") is not None:  # a denoiser's mean squared error: no perplexity
     return {"loss": loss, "examples": int(count)}
-  return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), "targets": int(count)}
+  perplexity = float(np.exp(min(loss, 50.0)))
+  return {"loss": loss, "perplexity": perplexity, "targets": int(count), **part_loss}

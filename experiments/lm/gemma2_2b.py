@@ -1,7 +1,9 @@
 """Pretraining recipe for gemma2-2b (2.61 B parameters) on text files you point to.
 
-Command:   zoo run lm/gemma2-2b --workdir runs/gemma2-2b \
-             --config.data.train_files='corpus/*.jsonl' --config.data.tokenizer.path=tokenizer.json
+Command:   zoo data prepare lm/gemma2-2b --out prepared/gemma2-2b \
+             --config.data.train_files='web/*.parquet' --config.data.tokenizer.path=tokenizer.json
+           zoo run lm/gemma2-2b --workdir runs/gemma2-2b --config.data.kind=prepared \
+             --config.data.path=prepared/gemma2-2b --config.data.tokenizer.path=tokenizer.json
 Hardware:  the full model needs accelerators (about 16 bytes of weights and AdamW state per
            parameter, sharded with mesh.fsdp); planned with `zoo plan` to fit a 64-chip slice
            of v4, v5e, v5p and v6e (README's table; never run on a TPU);
@@ -9,7 +11,12 @@ Hardware:  the full model needs accelerators (about 16 bytes of weights and Adam
 Time:      not measured on accelerators here; the smoke form took 32 s (gemma2) and 38 s
            (gemma3) in all on 2 CPU cores shared with other jobs.
 Expected:  no reference metric: the loss depends on your corpus. The smoke form's loss falls.
-Data:      text files (one document each) or .jsonl files (field `text`), comma-separated globs.
+Data:      tokenized once by `zoo data prepare` (a worker per core; several hosts share the
+           sources with --num-processes N --process-id I) from .txt, .jsonl, .jsonl.gz or
+           .parquet files or datasets save_to_disk directories (field `text`), comma-separated
+           globs; the run streams the shards, each host reading its rows (data.mixture weighs
+           several prepared corpora). A small corpus can skip the first command: `zoo run` with
+           data.train_files tokenizes it at start-up.
 """
 
 import ml_collections

@@ -1,7 +1,9 @@
 """Pretraining recipe for llama3-8b (8.03 B parameters) on text files you point to.
 
-Command:   zoo run lm/llama3-8b --workdir runs/llama3-8b \
-             --config.data.train_files='corpus/*.jsonl' --config.data.tokenizer.path=tokenizer.json
+Command:   zoo data prepare lm/llama3-8b --out prepared/llama3-8b \
+             --config.data.train_files='web/*.parquet' --config.data.tokenizer.path=tokenizer.json
+           zoo run lm/llama3-8b --workdir runs/llama3-8b --config.data.kind=prepared \
+             --config.data.path=prepared/llama3-8b --config.data.tokenizer.path=tokenizer.json
 Hardware:  the full model needs accelerators (about 16 bytes of weights and AdamW state per
            parameter, sharded with mesh.fsdp); `lm/llama3-8b:smoke` runs on one CPU in seconds.
            `lm/llama3-8b:long` trains on rows of 131,072 tokens, each split over 8 chips of a
@@ -10,7 +12,12 @@ Time:      not measured on accelerators here; the smoke form takes about 10 s on
            `zoo plan` (memory only): the long form needs 26.7 GiB a chip of a v5p-128's 95 with
            its context=8 rule, against 92.5 GiB with one row a chip (fsdp=64).
 Expected:  no reference metric: the loss depends on your corpus. The smoke form's loss falls.
-Data:      text files (one document each) or .jsonl files (field `text`), comma-separated globs.
+Data:      tokenized once by `zoo data prepare` (a worker per core; several hosts share the
+           sources with --num-processes N --process-id I) from .txt, .jsonl, .jsonl.gz or
+           .parquet files or datasets save_to_disk directories (field `text`), comma-separated
+           globs; the run streams the shards, each host reading its rows (data.mixture weighs
+           several prepared corpora). A small corpus can skip the first command: `zoo run` with
+           data.train_files tokenizes it at start-up.
 """
 
 import ml_collections

@@ -1,12 +1,19 @@
 """Pretraining recipe for mixtral-8x7b (46.7 B parameters, 12.9 B active) on your text files.
 
-Command:   zoo run lm/mixtral-8x7b --workdir runs/mixtral-8x7b \
-             --config.data.train_files='corpus/*.jsonl' --config.data.tokenizer.path=tokenizer.json
+Command:   zoo data prepare lm/mixtral-8x7b --out prepared/mixtral-8x7b \
+             --config.data.train_files='web/*.parquet' --config.data.tokenizer.path=tokenizer.json
+           zoo run lm/mixtral-8x7b --workdir runs/mixtral-8x7b --config.data.kind=prepared \
+             --config.data.path=prepared/mixtral-8x7b --config.data.tokenizer.path=tokenizer.json
 Hardware:  the full model needs accelerators (about 16 bytes of weights and AdamW state per
            parameter, sharded with mesh.fsdp); `lm/mixtral-8x7b:smoke` runs on one CPU in seconds.
 Time:      not measured on accelerators here; the smoke form takes about 10 s on 2 CPU cores.
 Expected:  no reference metric: the loss depends on your corpus. The smoke form's loss falls.
-Data:      text files (one document each) or .jsonl files (field `text`), comma-separated globs.
+Data:      tokenized once by `zoo data prepare` (a worker per core; several hosts share the
+           sources with --num-processes N --process-id I) from .txt, .jsonl, .jsonl.gz or
+           .parquet files or datasets save_to_disk directories (field `text`), comma-separated
+           globs; the run streams the shards, each host reading its rows (data.mixture weighs
+           several prepared corpora). A small corpus can skip the first command: `zoo run` with
+           data.train_files tokenizes it at start-up.
 """
 
 import ml_collections

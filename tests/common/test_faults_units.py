@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import cli, experiments
+from nnx_zoo.common import cli, experiments, files
 from nnx_zoo.common.data import pipeline
 from nnx_zoo.common.errors import Preempted, UserError
 from nnx_zoo.common.hub import checkpoint, weights
@@ -364,7 +364,7 @@ def test_an_unfinished_save_is_never_latest_and_is_removed_at_the_next_start(
   assert f"removed {tmp}" in capfd.readouterr().err
 
 
-# Disk
+# Disk (common/files.py)
 
 
 def test_unwritable_workdirs_are_user_errors(tmp_path):
@@ -372,8 +372,8 @@ def test_unwritable_workdirs_are_user_errors(tmp_path):
   a_file.write_text("not a directory")
   for workdir in (a_file / "run", a_file, "/proc/zoo-run"):
     with pytest.raises(UserError, match=re.escape(str(workdir))):
-      faults.check_writable(str(workdir))
-  faults.check_writable(str(tmp_path / "fine"))
+      files.check_writable(str(workdir))
+  files.check_writable(str(tmp_path / "fine"))
   assert os.listdir(tmp_path / "fine") == []  # the probe is gone
 
 
@@ -383,14 +383,14 @@ def test_replacing_shows_readers_the_old_file_until_the_new_one_is_whole(tmp_pat
   path = str(tmp_path / "config.json")
   with open(path, "w") as f:
     f.write("old")
-  with faults.replacing(path) as tmp, open(tmp, "w") as f:
+  with files.replacing(path) as tmp, open(tmp, "w") as f:
     f.write("new, half")
     f.flush()
     with open(path) as reader:  # mid-write, a reader still gets the whole old file
       assert reader.read() == "old"
     f.write(" and whole")
   assert pathlib.Path(path).read_text() == "new, half and whole"
-  with pytest.raises(RuntimeError), faults.replacing(path) as tmp:
+  with pytest.raises(RuntimeError), files.replacing(path) as tmp:
     with open(tmp, "w") as f:
       f.write("never finished")
     raise RuntimeError("killed mid-write")

@@ -219,6 +219,30 @@ def test_two_processes_that_split_each_row_over_context_match_one_process(tmp_pa
     assert loss == pytest.approx(straight[step], rel=1e-5), step
 
 
+def test_a_run_saved_by_two_processes_resumes_on_one_and_the_reverse(tmp_path, straight):
+  """On a prepared copy of the smoke run's plays: two processes, each reading only its rows,
+  save step 4 and one process resumes it to step 6; one process's step 4 resumes on two. Every
+  loss equals the uninterrupted run's, which tokenized the plays at start-up: the checkpointed
+  iterator state is the next global batch, whatever the number of processes."""
+  prepared = tmp_path / "prepared"
+  prep = ["-m", "nnx_zoo.common.cli", "data", "prepare", "lm/shakespeare-char:smoke"]
+  proc = run([*prep, "--out", str(prepared), "--workers", "1", "--quiet"], devices=1)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  data = ["--config.data.kind=prepared", f"--config.data.path={prepared}"]
+  for first, then in (("two", "one"), ("one", "two")):
+    workdir = tmp_path / f"{first}-then-{then}"
+    for processes, steps in ((first, 4), (then, 6)):
+      if processes == "two":
+        finish(two_processes(workdir, steps, extra=data))
+      else:
+        proc = run(zoo_args(workdir, (2, 2, 2), steps) + data, devices=8)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    got = losses(workdir)
+    assert sorted(got) == list(range(1, 7)), (first, got)
+    for step, loss in got.items():
+      assert loss == pytest.approx(straight[step], rel=1e-5), (first, step)
+
+
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path, straight):
   """A preemption notice may reach one host only: SIGTERM to process 1 alone. Both processes
   stop after the same step, save it together and exit 143; rerun, they continue with the

@@ -1,0 +1,307 @@
+"""Training from prepared corpora (`data.kind="prepared"`): memory-mapped token shards packed into
+rows on the fly, and named mixtures of several corpora (`data.mixture`).
+
+Start-up reads prepared.json, each source's entry and nothing else: the shards are memory maps,
+so memory does not grow with the corpus. The rows are those `pipeline.pack` cuts from the same
+documents (concatenated in reading order, cut every seq_len + 1 tokens, a segment id per
+document, long documents continued in the next row, never dropped), but made on demand from a
+row's index: a global batch is a list of row indices (shuffled by seed, as
+`pipeline.shuffled_batches` shuffles rows), and each process reads only the rows of its share.
+The iterator's state is the index of the next batch, the same on every process, so a run
+resumes on another number of processes with the same global batches.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import zlib
+
+import grain
+import ml_collections
+import numpy as np
+
+from nnx_zoo.common import files
+from nnx_zoo.common.data import kinds, pipeline, prepare, tokenizers
+from nnx_zoo.common.errors import UserError
+
+
+class Split:
+  """One split of a prepared directory: its sources' shards as one stream of tokens, whose
+  document ends are known. Reads nothing but the entries until tokens are asked for."""
+
+  def __init__(self, path: str, split: str):
+    self.path, self.split = path, split
+    self.manifest = prepare.read_manifest(path)
+    dtype = np.dtype(self.manifest["dtype"])
+    shards = os.path.join(path, "shards")
+    missing, self.tokens, self.ends = [], [], []
+    for source in self.manifest["sources"]:
+      entry_path = os.path.join(shards, f"{source['key']}.json")
+      if not os.path.exists(entry_path):
+        missing.append(source["path"])
+        continue
+      with open(entry_path) as f:
+        entry = json.load(f)
+      counts = entry["splits"].get(split)
+      if counts:  # np.memmap of an empty file fails: a split with no documents has no files
+        tokens, ends = (os.path.join(shards, counts[f"{k}_file"]) for k in ("tokens", "ends"))
+        self.tokens.append(_memmap(tokens, dtype, counts["tokens"]))
+        self.ends.append(_memmap(ends, np.int64, counts["documents"]))
+    if missing:
+      raise UserError(
+        f"{path} is half-written: {len(missing)} of its {len(self.manifest['sources'])} sources "
+        f"are not prepared (the first: {missing[0]}). Rerun `zoo data prepare` with the same "
+        "--out to finish it."
+      )
+    sizes = np.array([len(t) for t in self.tokens], np.int64)
+    self.starts = np.concatenate([[0], np.cumsum(sizes)])  # each shard's first token
+    doc_counts = np.array([len(e) for e in self.ends], np.int64)
+    self.first_doc = np.concatenate([[0], np.cumsum(doc_counts)])  # each shard's first document
+    self.num_tokens, self.num_documents = int(self.starts[-1]), int(self.first_doc[-1])
+
+  def window(self, starts_R: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens [R, length] from each of the stream positions `starts_R`, and the index of the
+    document each lies in (-1 past the end, where the token is 0)."""
+    pos = (starts_R[:, None] + np.arange(length)).ravel()
+    tokens = np.zeros(pos.shape, np.int32)
+    docs = np.full(pos.shape, -1, np.int64)
+    shard = np.searchsorted(self.starts, pos, side="right") - 1
+    for s in np.unique(shard):
+      if s >= len(self.tokens):  # past the last token
+        continue
+      here = shard == s
+      local = pos[here] - self.starts[s]
+      tokens[here] = self.tokens[s][local]
+      docs[here] = self.first_doc[s] + np.searchsorted(self.ends[s], local, side="right")
+    return tokens.reshape(-1, length), docs.reshape(-1, length)
+
+
+def _memmap(path: str, dtype, count: int) -> np.ndarray:
+  size = os.path.getsize(path) if os.path.exists(path) else -1
+  if size != count * np.dtype(dtype).itemsize:
+    raise UserError(
+      f"{path} holds {size} bytes where its entry says {count} values of {np.dtype(dtype).name}: "
+      "the prepared directory is damaged. Delete it and prepare it again."
+    )
+  return np.memmap(path, dtype=dtype, mode="r")
+
+
+class PackedRows:
+  """A grain random-access source of rows of `row_len` tokens cut from a split's stream: row r
+  is tokens [r * row_len, (r + 1) * row_len) with a segment id per document (starting at 1 in
+  each row) and 0 for padding past the end (`pad_last`: the last, partial row is kept)."""
+
+  def __init__(self, split: Split, row_len: int, *, pad_last: bool):
+    self.split, self.row_len = split, row_len
+    rows, rest = divmod(split.num_tokens, row_len)
+    self.num_rows = rows + bool(rest and pad_last)
+
+  def __len__(self):
+    return self.num_rows
+
+  def read(self, rows_R: np.ndarray) -> dict:
+    """The rows of the indices `rows_R` as a batch {"tokens", "segment_ids"} [R, row_len]."""
+    rows_R = np.asarray(rows_R, np.int64)
+    tokens, docs = self.split.window(rows_R * self.row_len, self.row_len)
+    segments = np.where(docs >= 0, docs - docs[:, :1] + 1, 0).astype(np.int32)
+    return {"tokens": tokens, "segment_ids": segments}
+
+  def __getitem__(self, r):
+    return {k: v[0] for k, v in self.read(np.array([r])).items()}
+
+  def __repr__(self):  # stable: grain keys the iterator state on it
+    return f"PackedRows({self.split.path}:{self.split.split}, {self.row_len}, {self.num_rows})"
+
+
+# Mixtures
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+  name: str
+  path: str
+  weight: float
+
+
+def components(cfg) -> list[Component]:
+  """data.mixture ("NAME=DIR@WEIGHT,..."; a weight of 1 where none is given), or data.path as
+  the one component."""
+  if not cfg.mixture:
+    if not cfg.path:
+      raise UserError(
+        "data.kind='prepared' reads a prepared directory: set --config.data.path=DIR (made by "
+        "`zoo data prepare EXP --out DIR`) or --config.data.mixture=NAME=DIR@WEIGHT,..."
+      )
+    return [Component("", cfg.path, 1.0)]
+  if cfg.path:
+    raise UserError("Set data.path (one corpus) or data.mixture (several), not both.")
+  parts, names = [], set()
+  for spec in [s.strip() for s in cfg.mixture.split(",") if s.strip()]:
+    name, eq, rest = spec.partition("=")
+    path, at, weight = rest.rpartition("@") if "@" in rest else (rest, "", "1")
+    name, path = name.strip(), path.strip()
+    if not eq or not name or not path:
+      raise UserError(
+        f"data.mixture component {spec!r} needs a name and a path: write NAME=DIR@WEIGHT "
+        "(e.g. web=prepared/web@0.7,code=prepared/code@0.3)."
+      )
+    try:
+      w = float(weight)
+    except ValueError:
+      w = float("nan")
+    if not w > 0:
+      raise UserError(
+        f"data.mixture component {name!r} has weight {weight!r}: weights must be positive "
+        "numbers (they are normalised to sum to 1)."
+      )
+    if name in names:
+      raise UserError(f"data.mixture names the component {name!r} twice.")
+    names.add(name)
+    parts.append(Component(name, path, w))
+  if not parts:
+    raise UserError("data.mixture is set but names no component: write NAME=DIR@WEIGHT,...")
+  return parts
+
+
+def reweighted(old: str, new: str) -> bool:
+  """Whether the mixture `new` is `old` with other weights only (same names and directories):
+  a run resumes with it. From the resumed step on, batches are drawn in the new proportions;
+  each component's rows still come in its own shuffled order, but where that order is resumed
+  follows the new weights, so within the epoch some of a component's rows come twice and others
+  not at all (a warning says so)."""
+  if not old or not new or old == new:
+    return False
+  parse = lambda spec: components(ml_collections.ConfigDict({"mixture": spec, "path": ""}))
+  before, after = parse(old), parse(new)
+  if [(c.name, c.path) for c in before] != [(c.name, c.path) for c in after]:
+    return False
+  files.warn(
+    f"data.mixture's weights changed ({', '.join(f'{c.name} {c.weight:g}' for c in before)} -> "
+    f"{', '.join(f'{c.name} {c.weight:g}' for c in after)}): the batches from here on are drawn "
+    "in the new proportions, and within this epoch some rows of a component may come twice and "
+    "others not at all."
+  )
+  return True
+
+
+def _seed(seed: int, name: str) -> int:
+  """A component's shuffle seed: the run's for a single corpus, else one of its own."""
+  if not name:
+    return seed
+  return int(np.random.SeedSequence([seed, zlib.crc32(name.encode())]).generate_state(1)[0])
+
+
+def train_iterator(
+  parts: dict[str, PackedRows],
+  weights: dict[str, float],
+  *,
+  batch_size: int,
+  seed: int,
+  share: slice | None = None,
+  workers: int = 0,
+) -> grain.DatasetIterator:
+  """Endless global batches of rows, drawn from the components in proportion to their weights
+  (each shuffled by its own seed, reshuffled each epoch); this process reads its share only."""
+  names = list(parts)
+  for name, rows in parts.items():
+    if len(rows) == 0:
+      raise UserError(
+        f"The prepared training data{f' of {name!r}' if name else ''} has fewer than a row of "
+        f"{rows.row_len} tokens: prepare more text or lower data.seq_len."
+      )
+  streams = [
+    grain.MapDataset.range(len(parts[n]))
+    .shuffle(seed=_seed(seed, n))
+    .repeat()
+    .map(functools.partial(lambda c, r: (c, r), c))
+    for c, n in enumerate(names)
+  ]
+  ds = (
+    streams[0] if len(streams) == 1 else grain.MapDataset.mix(streams, [weights[n] for n in names])
+  )
+  ds = ds.batch(batch_size, drop_remainder=True)
+  share = pipeline.process_slice(batch_size, share)
+  ds = ds.map(functools.partial(_read_share, parts=[parts[n] for n in names], share=share))
+  # data.workers threads read the next batches ahead (NumPy's gathers release the GIL); none
+  # reads in the trainer's thread. Explicit either way: grain's default reads 500 ahead.
+  options = grain.ReadOptions(num_threads=workers, prefetch_buffer_size=2 * workers)
+  return iter(ds.to_iter_dataset(options))
+
+
+def _read_share(batch, *, parts: list[PackedRows], share: slice) -> dict:
+  component_R, rows_R = (np.asarray(x)[share] for x in batch)
+  if len(parts) == 1:
+    return parts[0].read(rows_R)
+  out = None
+  for c in np.unique(component_R):
+    here = component_R == c
+    part = parts[c].read(rows_R[here])
+    if out is None:
+      out = {k: np.zeros((len(rows_R), *v.shape[1:]), v.dtype) for k, v in part.items()}
+    for k, v in part.items():
+      out[k][here] = v
+  return out
+
+
+def eval_batches(eval_rows, *, batch_size: int, max_batches: int = 0, share=None):
+  """The held-out rows in order, the last batch padded with segment 0 (out of the loss); this
+  process reads its share only."""
+  share = pipeline.process_slice(batch_size, share)
+  starts = range(0, len(eval_rows), batch_size)
+  if max_batches:
+    starts = list(starts)[:max_batches]
+  for start in starts:
+    index = np.arange(start, start + batch_size)[share]
+    batch = eval_rows.read(np.minimum(index, len(eval_rows) - 1))
+    past = index >= len(eval_rows)  # padding rows: nothing counts
+    batch["segment_ids"][past] = 0
+    batch["tokens"][past] = 0
+    yield batch
+
+
+# The data kind
+
+
+def check(cfg):
+  """The prepared corpora were tokenized by this experiment's tokenizer, within the model's
+  vocabulary."""
+  want = None
+  for part in components(cfg.data):
+    manifest = prepare.read_manifest(part.path)
+    have = manifest["tokenizer"]
+    if want is None:
+      want = tokenizers.identity(cfg.data.tokenizer)
+    if have != want:
+      raise UserError(
+        f"{part.path} was prepared with another tokenizer ({prepare._describe(have)}) than "
+        f"data.tokenizer ({prepare._describe(want)}): prepare it again with this experiment, or "
+        "set data.tokenizer to the one it was prepared with."
+      )
+    kinds.check_vocab(cfg, have["vocab_size"], f"{part.path} holds ids of a {{ids}}-id vocabulary")
+
+
+def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Data:
+  parts = components(cfg.data)
+  row_len = cfg.data.seq_len + 1
+  iterator = None
+  if train:
+    rows = {p.name: PackedRows(Split(p.path, "train"), row_len, pad_last=False) for p in parts}
+    iterator = train_iterator(
+      rows,
+      {p.name: p.weight for p in parts},
+      batch_size=batch_size,
+      seed=cfg.seed,
+      share=share,
+      workers=cfg.data.workers,
+    )
+  held_out = {p.name: PackedRows(Split(p.path, "eval"), row_len, pad_last=True) for p in parts}
+  held_out = {name: rows for name, rows in held_out.items() if len(rows)}
+  if not held_out:
+    held_out = None
+  elif list(held_out) == [""]:
+    held_out = held_out[""]
+  return kinds.Data(iterator, held_out, eval_batches, cfg.data.seq_len)
+
+
+kinds.register(kinds.Kind("prepared", load, check))
