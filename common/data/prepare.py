@@ -140,14 +140,14 @@ class _ShardWriter:
     self.files = {k: open(p + ".tmp", "wb") for k, p in self.paths.items()}  # noqa: SIM115
     self.dtype, self.documents, self.tokens = dtype, 0, 0
 
-  def add(self, docs_tokens: list[np.ndarray]):
-    docs_tokens = [t for t in docs_tokens if len(t)]  # an empty document packs to nothing
-    if not docs_tokens:
+  def add(self, ids: np.ndarray, lengths: np.ndarray):
+    """Documents given as their ids back to back and the count of each."""
+    lengths = lengths[lengths > 0]  # an empty document packs to nothing
+    if not len(lengths):
       return
-    lengths = np.fromiter((len(t) for t in docs_tokens), np.int64, len(docs_tokens))
-    np.concatenate(docs_tokens).astype(self.dtype).tofile(self.files["tokens"])
+    ids.astype(self.dtype, copy=False).tofile(self.files["tokens"])
     (self.tokens + np.cumsum(lengths)).tofile(self.files["ends"])
-    self.documents += len(docs_tokens)
+    self.documents += len(lengths)
     self.tokens += int(lengths.sum())
 
   def close(self) -> dict:
@@ -177,10 +177,11 @@ def prepare_source(task: dict) -> dict:
   size = {s: 0 for s in SPLITS}
 
   def flush(split):
-    ids = tokenizer.encode_batch(pending[split])
-    if eos is not None:
-      ids = [np.append(t, eos) for t in ids]
-    writers[split].add(ids)
+    ids, lengths = tokenizer.encode_flat(pending[split])
+    if eos is not None:  # each document ends with it
+      ids = np.insert(ids, np.cumsum(lengths), eos)
+      lengths = lengths + 1
+    writers[split].add(ids, lengths)
     pending[split], size[split] = [], 0
 
   try:

@@ -33,6 +33,12 @@ class Tokenizer:
   def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
     return [self.encode(t) for t in texts]
 
+  def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The ids of many texts back to back, and how many each text has (`zoo data prepare`)."""
+    ids = self.encode_batch(texts)
+    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+    return (np.concatenate(ids) if ids else np.zeros(0, np.int32)), lengths
+
 
 class ByteTokenizer(Tokenizer):
   """UTF-8 bytes: 256 ids, nothing to load, nothing unknown."""
@@ -44,6 +50,11 @@ class ByteTokenizer(Tokenizer):
 
   def decode(self, ids):
     return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+  def encode_flat(self, texts):  # one join and one buffer for the whole batch
+    encoded = [t.encode("utf-8") for t in texts]
+    lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+    return np.frombuffer(b"".join(encoded), np.uint8), lengths
 
 
 class HFTokenizer(Tokenizer):

@@ -116,11 +116,11 @@ def test_an_interrupted_prepare_leaves_nothing_half_taken_and_a_rerun_finishes_i
   real = prepare._ShardWriter.add
   calls = []
 
-  def dies_on_the_second_source(self, docs):
+  def dies_on_the_second_source(self, ids, lengths):
     calls.append(1)
     if len(calls) == 2:
       raise KeyboardInterrupt  # killed while writing
-    return real(self, docs)
+    return real(self, ids, lengths)
 
   monkeypatch.setattr(prepare._ShardWriter, "add", dies_on_the_second_source)
   with pytest.raises(KeyboardInterrupt):
