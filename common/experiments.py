@@ -8,7 +8,7 @@ import os
 import ml_collections
 
 from nnx_zoo.common import config as config_lib
-from nnx_zoo.common import mesh
+from nnx_zoo.common import mesh, tasks
 from nnx_zoo.common.errors import UserError, suggest
 from nnx_zoo.common.train import settings
 from nnx_zoo.experiments import REGISTRY
@@ -84,6 +84,9 @@ def get_config(
       else f"{hardware} matches no mesh rule: the mesh as written"
     )
   cfg = config_lib.apply_overrides(cfg, overrides or {})
+  if "task" not in cfg:  # an experiment file written before tasks were named: named here once
+    cfg.task = tasks.infer(cfg)
+  tasks.get(cfg.task)  # an unknown one is refused now, with the known ones
   cfg.experiment = exp
   return cfg
 

@@ -252,49 +252,24 @@ def _bytes(value: str, unit: str) -> int:
 
 
 def abstract_batch(cfg, layout) -> dict:
-  """The batch the step takes, as `zoo run` feeds it (common/data/), split over the batch axes:
-  packed text rows [B, seq_len + 1] (tokens, segment ids; under `mesh.context` their next-token
-  rows [B, seq_len], split over it too, as `step.put_batch` makes them); labelled text rows
-  [B, seq_len] and labels [B]; images [B, H, W, C] float32, labels and weights [B]."""
+  """The batch the step takes, as `zoo run` feeds it: the task's global batch
+  (`Task.batch_shapes`), split over the batch axes; under `mesh.context` the rows the task splits
+  (a language model's next-token rows [B, seq_len]), split over it too, as `step.put_batch`
+  makes them."""
   import jax
 
-  from nnx_zoo.common.data import images, pipeline
+  from nnx_zoo.common import tasks
 
-  B, kind = cfg.train.batch_size, cfg.data.kind
-  if kind in images.KINDS and "image_size" in cfg.model:
-    size = cfg.model.image_size
-    shapes = {
-      "images": ((B, size, size, cfg.model.get("channels", 3)), np.float32),
-      "labels": ((B,), np.int32),
-      "weights": ((B,), np.float32),
-    }
-    if cfg.data.get("mix", "none") != "none":  # mixed training images: a second label each
-      shapes.update({"mix_labels": ((B,), np.int32), "mix": ((B,), np.float32)})
-  elif kind == "shakespeare_genre":
-    shapes = {
-      "tokens": ((B, cfg.data.seq_len), np.int32),
-      "segment_ids": ((B, cfg.data.seq_len), np.int32),
-      "labels": ((B,), np.int32),
-    }
-  elif kind in pipeline.KINDS:
-    shapes = {k: ((B, cfg.data.seq_len + 1), np.int32) for k in ("tokens", "segment_ids")}
-    if layout.sizes.get("context", 1) > 1:  # their next-token rows, split over context
-      from nnx_zoo.common.train import losses
-
-      whole = {k: jax.ShapeDtypeStruct(*v) for k, v in shapes.items()}
+  task = tasks.of(cfg)
+  whole = {k: jax.ShapeDtypeStruct(*v) for k, v in task.batch_shapes(cfg).items()}
+  if layout.sizes.get("context", 1) > 1:
+    rows = jax.eval_shape(task.context_rows, whole)
+    if rows is not None:
       sharding = jax.sharding.NamedSharding(layout.mesh, layout.token_spec)
-      rows = jax.eval_shape(losses.next_token_rows, whole)
-      return {
-        "next_token": {
-          k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in rows.items()
-        }
-      }
-  else:
-    raise UserError(f"`zoo plan` does not know the batches of data.kind {kind!r} yet.")
+      rows = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in rows.items()}
+      return {"next_token": rows}
   sharding = jax.sharding.NamedSharding(layout.mesh, layout.batch_spec)
-  return {
-    k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype) in shapes.items()
-  }
+  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in whole.items()}
 
 
 def _compile(cfg, layout):

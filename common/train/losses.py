@@ -26,7 +26,7 @@ from nnx_zoo.common import parallel
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import position
 from nnx_zoo.common.nn.transformer import EncoderDecoder
-from nnx_zoo.common.train import contrastive, diffusion
+from nnx_zoo.common.train import contrastive
 
 
 def cross_entropy_and_grad(logits_MV: jax.Array, targets_M: jax.Array):
@@ -262,19 +262,3 @@ def seq2seq_sums(model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array,
     return total, jnp.sum(weights_BT)
   ce_BT = parallel.cross_entropy(model.logits(x_BTD), targets_BT)
   return jnp.sum(ce_BT * weights_BT), jnp.sum(weights_BT)
-
-
-def task_sums(model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
-  """The loss sums of what the batch holds: noised images train a denoiser (DiT), images with
-  caption tokens ("text") train CLIP,
-  source and target tokens ("targets") an encoder-decoder, labelled images or rows a
-  classifier, token rows a language model."""
-  if "noisy_images" in batch:  # a denoiser (common/train/diffusion.py)
-    return diffusion.denoise_sums(model, batch)
-  if "text" in batch:
-    return contrastive_sums(model, batch)
-  if "targets" in batch:
-    return seq2seq_sums(model, batch, loss_chunk=loss_chunk)
-  if "labels" in batch:
-    return classify_sums(model, batch)
-  return loss_sums(model, batch, loss_chunk=loss_chunk)  # "tokens", or their "next_token" rows

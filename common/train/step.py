@@ -1,9 +1,10 @@
 """The pure step functions at the centre of the trainer, and the train state they work on.
 
-`train_step(state, batch) -> (state, metrics)`: the task loss's gradient (under `jax.shard_map`
-when there is a mesh), the fused AdamW update, the non-finite guard, the weights' moving average
-(`train.ema`). `eval_step` sums a held-out
-batch's loss. `make_train_step` is the one jitted step `zoo run` runs (and `zoo plan` compiles).
+`train_step(state, batch) -> (state, metrics)`: the gradient of the loss of the run's task
+(common/tasks/), under `jax.shard_map` when there is a mesh, the fused AdamW update, the
+non-finite guard, the weights' moving average (`train.ema`). `eval_step` sums a held-out batch
+as the task says. `make_train_step` is the one jitted step `zoo run` runs (and `zoo plan`
+compiles).
 """
 
 import contextlib
@@ -17,10 +18,10 @@ import optax
 from flax import nnx
 
 from nnx_zoo.common import config as config_lib
-from nnx_zoo.common import models, parallel
+from nnx_zoo.common import models, parallel, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import aux, lora, memory, noise
-from nnx_zoo.common.train import faults, losses
+from nnx_zoo.common.train import faults
 
 
 @jax.tree_util.register_dataclass
@@ -55,13 +56,14 @@ def sums_and_grads(
   batch: dict,
   *,
   graphdef,
+  task,
   micro_batches: int = 1,
   frozen=None,
   loss_chunk: int = 0,
   noise_key=None,
   rows=None,
 ) -> tuple[dict, nnx.State]:
-  """The batch's summed task loss (`total`), the number of targets it sums over (`count`) and
+  """The batch's summed loss of `task` (`total`), the number of targets it sums over (`count`) and
   the mean of each auxiliary loss the layers added (`aux`, common/nn/aux.py), with the gradient
   of total + count * sum(weight * aux) with respect to `params` (`frozen`: parameters the model
   also uses, not differentiated). With micro_batches > 1 the batch is cut into that many slices
@@ -79,7 +81,7 @@ def sums_and_grads(
     if noise_key is not None:
       batch, drawing = batch["batch"], noise.drawing(noise_key, batch["rows"])
     with aux.collect() as entries, drawing:
-      total, count = losses.task_sums(
+      total, count = task.loss_sums(
         nnx.merge(graphdef, params, *frozen), batch, loss_chunk=loss_chunk
       )
     # The auxiliary losses are means: weighted by the targets so that, summed over devices and
@@ -122,47 +124,49 @@ def sums_and_grads(
   return sums, grads
 
 
-def context_rows(batch: dict, layout: parallel.Layout) -> tuple[dict, dict]:
+def context_rows(batch: dict, layout: parallel.Layout, task=None) -> tuple[dict, dict]:
   """The batch as the sharded step splits it, and the PartitionSpec of each array. Under
-  `mesh.context` > 1 a language model's rows become their `next_token` rows
-  (`losses.next_token_rows`, made from whole rows), laid out in `parallel.context_order` and
-  split over `context` as well as the batch axes: made on the host by `put_batch` (NumPy), or in
-  the step when it is given whole rows. Any other batch, and every batch without the split, is
-  split over the batch axes only (a language model's rows whole: `losses.loss_sums` makes their
-  next-token rows on each device); a batch that is not token rows refuses the split."""
+  `mesh.context` > 1 the rows `task` splits (`Task.context_rows`: a language model's
+  `next_token` rows, made from whole rows) are laid out in `parallel.context_order` and split
+  over `context` as well as the batch axes: made on the host by `put_batch` (NumPy), or in the
+  step when it is given whole rows. Every batch without the split is split over the batch axes
+  only (a language model's rows whole: its loss makes their next-token rows on each device); a
+  task with no rows to split refuses it."""
   context = layout.sizes.get("context", 1)
   if "next_token" in batch:  # made already (put_batch)
     return batch, {"next_token": {k: layout.token_spec for k in batch["next_token"]}}
   if context == 1:
     return batch, jax.tree.map(lambda _: layout.batch_spec, batch)
-  if set(batch) != {"tokens", "segment_ids"}:
-    kind = "the images, labels or source/target pairs of this task"
+  rows = None if task is None else task.context_rows(batch)
+  if rows is None:
     raise UserError(
       f"mesh.context={context} splits the token rows of a language model (a decoder trained "
-      f"on next tokens); {kind} have none to split: set mesh.context=1."
+      f"on next tokens); the {getattr(task, 'name', 'this')} task has none to split: set "
+      "mesh.context=1."
     )
-  rows = losses.next_token_rows(batch)
   order = parallel.context_order(rows["inputs"].shape[1], context)
   rows = {k: v[:, order] for k, v in rows.items()}
   return {"next_token": rows}, {"next_token": {k: layout.token_spec for k in rows}}
 
 
 def sharded_sums_and_grads(
-  params, batch: dict, *, graphdef, layout: parallel.Layout, frozen=None, **kw
+  params, batch: dict, *, graphdef, task, layout: parallel.Layout, frozen=None, **kw
 ) -> tuple[dict, nnx.State]:
   """`sums_and_grads` under shard_map: each device runs its batch shard (and, under
   `mesh.context`, its share of every row's tokens: `context_rows`) with its parameter shards;
   the shared layers gather and reduce (see common/parallel.py)."""
   specs = layout.param_specs(params)
   frozen = nnx.State({}) if frozen is None else frozen
-  batch, batch_specs = context_rows(batch, layout)
+  batch, batch_specs = context_rows(batch, layout, task)
   # Each device draws the noise of its own rows (their indices in the global batch).
   rows = kw.pop("rows", None)
   rows_spec = None if rows is None else layout.batch_spec
 
   def local(params, frozen, batch, rows):
     with parallel.active(layout):
-      sums, grads = sums_and_grads(params, batch, graphdef=graphdef, frozen=frozen, rows=rows, **kw)
+      sums, grads = sums_and_grads(
+        params, batch, graphdef=graphdef, task=task, frozen=frozen, rows=rows, **kw
+      )
     sums = {
       "total": parallel.token_sum(sums["total"]),
       "count": parallel.token_sum(sums["count"]),
@@ -184,6 +188,7 @@ def train_step(
   batch: dict,
   *,
   graphdef,
+  task,
   tx,
   layout: parallel.Layout | None = None,
   micro_batches: int = 1,
@@ -194,7 +199,9 @@ def train_step(
 ) -> tuple[TrainState, dict]:
   # Only the trained part is differentiated and updated (all of it, unless LoRA freezes some).
   trained, frozen = nnx.split_state(state.params, trainable, ...)
-  kw = dict(graphdef=graphdef, micro_batches=micro_batches, frozen=frozen, loss_chunk=loss_chunk)
+  kw = dict(
+    graphdef=graphdef, task=task, micro_batches=micro_batches, frozen=frozen, loss_chunk=loss_chunk
+  )
   if noisy:  # this step's key, and every row's index in the batch (common/nn/noise.py)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     kw.update(noise_key=jax.random.key_data(key), rows=jnp.arange(batch_rows(batch)))
@@ -223,45 +230,24 @@ def train_step(
   return TrainState(state.step + 1, params, opt_state, state.rng, average), metrics
 
 
-def eval_step(params, batch: dict, *, graphdef, prompts=None) -> dict:
-  """Summed loss and count (and, for a classifier, correct predictions) of one batch. With
-  `prompts` [C, T] (a CLIP model's class prompts), labelled images are classified zero-shot."""
-  model = nnx.merge(graphdef, params)
-  if "noisy_images" in batch:  # a denoiser's noised held-out images
-    total, count = losses.task_sums(model, batch)
-    return {"total": total, "count": count}
-  if "targets" in batch:  # an encoder-decoder's source and target tokens
-    total, count = losses.seq2seq_sums(model, batch)
-    return {"total": total, "count": count}
-  if "labels" not in batch:
-    total, count = losses.loss_sums(model, batch)
-    return {"total": total, "count": count}
-  if prompts is not None:
-    logits_BC = losses.zero_shot_logits(model, batch["images"], prompts)
-    weights_B = batch["weights"].astype(jnp.float32)
-    ce_B = optax.softmax_cross_entropy_with_integer_labels(logits_BC, batch["labels"])
-  else:
-    logits_BC, ce_B, weights_B = losses.classify_rows(model, batch)
-  right_B = (jnp.argmax(logits_BC, -1) == batch["labels"]).astype(jnp.float32)
-  return {
-    "total": jnp.sum(ce_B * weights_B),
-    "count": jnp.sum(weights_B),
-    "correct": jnp.sum(right_B * weights_B),
-  }
+def eval_step(params, batch: dict, *, graphdef, task, prompts=None) -> dict:
+  """The held-out sums of one batch (`Task.eval_sums`: summed loss and count, and for a
+  classifier its correct predictions; `prompts` [C, T]: a CLIP model's class prompts)."""
+  return task.eval_sums(nnx.merge(graphdef, params), batch, prompts=prompts)
 
 
 # The state: fresh, abstract (shapes only) and placed on the mesh
 
 
-def sharded_eval_step(params, batch: dict, *, graphdef, layout: parallel.Layout) -> dict:
+def sharded_eval_step(params, batch: dict, *, graphdef, task, layout: parallel.Layout) -> dict:
   """`eval_step` of a language model's rows split over `mesh.context` (`context_rows`), under
   shard_map as the train step runs: plain jit cannot split a row, whose attention gathers
   across the split. Each device sums its tokens; the sums are over all devices."""
-  batch, batch_specs = context_rows(batch, layout)
+  batch, batch_specs = context_rows(batch, layout, task)
 
   def local(params, batch):
     with parallel.active(layout):
-      return parallel.token_sum(eval_step(params, batch, graphdef=graphdef))
+      return parallel.token_sum(eval_step(params, batch, graphdef=graphdef, task=task))
 
   return jax.shard_map(
     local,
@@ -300,14 +286,14 @@ def placed_abstract_state(cfg, tx, layout: parallel.Layout | None):
   return placed, shardings
 
 
-def put_batch(batch: dict, layout: parallel.Layout | None) -> dict:
+def put_batch(batch: dict, layout: parallel.Layout | None, task=None) -> dict:
   """The global batch from this process's rows of it (`parallel.process_rows`), each device
   given its part only: rows split over the batch axes and, under `mesh.context` > 1, a language
   model's rows as their next-token rows (`context_rows`, made here on the host from the whole
   rows) with each device's share of every row's tokens, so no device receives whole rows."""
   if layout is None:
     return batch
-  batch, specs = context_rows(batch, layout)
+  batch, specs = context_rows(batch, layout, task)
   # The global rows: this process holds `held` of the batch axes' `shards` blocks of rows.
   shards = math.prod(layout.sizes[a] for a in parallel.BATCH_AXES)
   held = parallel.process_block(layout, layout.batch_spec, (shards,))[0]
@@ -329,6 +315,7 @@ def make_train_step(cfg, *, tx, layout: parallel.Layout | None, shardings):
   step = functools.partial(
     train_step,
     graphdef=graphdef,
+    task=tasks.of(cfg),
     tx=tx,
     layout=layout,
     micro_batches=cfg.train.micro_batches,

@@ -13,11 +13,10 @@ import time
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from flax import nnx
 
 from nnx_zoo.common import config as config_lib
-from nnx_zoo.common import files, mesh, models, parallel
+from nnx_zoo.common import files, mesh, models, parallel, tasks
 from nnx_zoo.common.data import kinds, prepared
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
@@ -69,6 +68,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
       if state.ema is not None:  # the average starts at the loaded weights (its own buffers)
         state = dataclasses.replace(state, ema=jax.tree.map(jnp.copy, params))
   start = int(state.step)
+  task = tasks.of(cfg)
   step_fn = steps.make_train_step(cfg, tx=tx, layout=layout, shardings=shardings)
   graphdef = nnx.graphdef(models.abstract(cfg.model))
   tokens_per_step = cfg.train.batch_size * data.tokens_per_row
@@ -88,7 +88,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   signals = faults.Signals().install()  # SIGTERM/SIGINT: finish the step, save, exit
   try:
     for step in range(start + 1, cfg.train.steps + 1):
-      state, metrics = step_fn(state, steps.put_batch(next(data_iter), layout))
+      state, metrics = step_fn(state, steps.put_batch(next(data_iter), layout, task))
       nonfinite.observe(step, metrics)
       if step % cfg.train.log_every == 0 or step == cfg.train.steps:
         metrics = {k: float(v) for k, v in metrics.items()}
@@ -110,8 +110,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         weights_now = state.params if state.ema is None else state.ema  # train.ema: the average
         ev = evaluate(weights_now, data, graphdef=graphdef, cfg=cfg, layout=layout)
         log.write(step, ev, split="eval")
-        extra = "".join(f", {k} {ev[k]:.4f}" for k in ("wer",) if k in ev)
-        bar.write(f"step {step}: eval loss {ev['loss']:.4f}{extra}")
+        # The loss, and what else the task and data measure (accuracy, word error rate...).
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in ev.items() if isinstance(v, float))
+        bar.write(f"step {step}: eval {shown}")
         last = {**last, "eval_loss": ev["loss"]}
         t0 = time.perf_counter()  # evaluation time is not training throughput
       # Read once per step; with several processes, every one of them stops at the same step.
@@ -176,16 +177,19 @@ def check_workdir(cfg, workdir: str):
 def evaluate(
   params, data: kinds.Data, *, graphdef, cfg, layout: parallel.Layout | None = None
 ) -> dict:
-  """Mean loss over the held-out rows (all of them unless train.eval_batches limits it), and a
-  classifier's accuracy (CLIP's: zero-shot, by its class prompts).
+  """The task's held-out metrics (`Task.summary`: the mean loss, and its own, such as a
+  classifier's accuracy) over the held-out rows (all of them unless train.eval_batches limits
+  it), with the data kind's score where it has one (speech: the word error rate).
 
   Runs as plain jit over the global (sharded) arrays: XLA partitions it, no shard_map needed;
   but a mesh that splits rows over `context` runs it as the train step runs (shard_map), each
   device given its share of every row."""
+  task = tasks.of(cfg)
   if layout is not None and layout.sizes.get("context", 1) > 1:
-    step = jax.jit(functools.partial(steps.sharded_eval_step, graphdef=graphdef, layout=layout))
+    step = functools.partial(steps.sharded_eval_step, graphdef=graphdef, task=task, layout=layout)
   else:
-    step = jax.jit(functools.partial(steps.eval_step, graphdef=graphdef, prompts=data.prompts))
+    step = functools.partial(steps.eval_step, graphdef=graphdef, task=task, prompts=data.prompts)
+  step = jax.jit(step)
   # A mixture's held-out splits are {component: split}: each one's loss is reported beside the
   # total (`loss/<name>`), which is the mean over all of their targets.
   parts = data.eval if isinstance(data.eval, dict) else {"": data.eval}
@@ -195,19 +199,13 @@ def evaluate(
     for batch in data.eval_batches(
       held_out, batch_size=cfg.train.batch_size, max_batches=cfg.train.eval_batches
     ):
-      for k, v in step(params, steps.put_batch(batch, layout)).items():
+      for k, v in step(params, steps.put_batch(batch, layout, task)).items():
         part[k] = part.get(k, 0.0) + float(v)
     for k, v in part.items():
       sums[k] = sums.get(k, 0.0) + v
     if name:
       part_loss[f"loss/{name}"] = part["total"] / max(part["count"], 1.0)
-  count = max(sums["count"], 1.0)
-  loss = sums["total"] / count
+  result = {**task.summary(sums), **part_loss}
   if data.score is not None:
-    return {"loss": loss, "targets": int(count), **data.score(graphdef, params)}
-  if "correct" in sums:  # a classifier
-    return {"loss": loss, "accuracy": sums["correct"] / count, "examples": int(sums["count"])}
-  if cfg.get("diffusion") is not None:  # a denoiser's mean squared error: no perplexity
-    return {"loss": loss, "examples": int(count)}
-  perplexity = float(np.exp(min(loss, 50.0)))
-  return {"loss": loss, "perplexity": perplexity, "targets": int(count), **part_loss}
+    result.update(data.score(graphdef, params))
+  return result

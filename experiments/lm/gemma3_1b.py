@@ -30,6 +30,7 @@ from nnx_zoo.zoo.gemma import model as gemma
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
+  c.task = "language_model"  # what it optimises and evaluates (common/tasks/)
   c.init_from = ""
   c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "embed.*,lm_head.*")
 

@@ -21,6 +21,7 @@ from nnx_zoo.zoo.llama import model as llama
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
+  c.task = "language_model"  # what it optimises and evaluates (common/tasks/)
   c.init_from = ""
   c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "embed.*,lm_head.*")
 

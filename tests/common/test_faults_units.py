@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import cli, experiments, files
+from nnx_zoo.common import cli, experiments, files, tasks
 from nnx_zoo.common.data import pipeline
 from nnx_zoo.common.errors import Preempted, UserError
 from nnx_zoo.common.hub import checkpoint, weights
 from nnx_zoo.common.train import faults, losses, metrics, optim, trainer
 from nnx_zoo.common.train import step as steps
+
+TASK = tasks.get("language_model")  # the task of every batch here
 
 SMOKE = "lm/shakespeare-char:smoke"
 BASE = {
@@ -93,7 +95,7 @@ def test_train_step_skips_a_non_finite_update_but_counts_the_step():
   graphdef, state = steps.init_state(cfg, tx)
   rows = pipeline.load_split(cfg.data, "train")
   batch = next(pipeline.train_iterator(rows, batch_size=cfg.train.batch_size, seed=0))
-  step = jax.jit(lambda s, b: steps.train_step(s, b, graphdef=graphdef, tx=tx))
+  step = jax.jit(lambda s, b: steps.train_step(s, b, graphdef=graphdef, task=TASK, tx=tx))
 
   good, metrics = step(state, batch)
   assert int(metrics["skipped"]) == 0 and int(good.step) == 1

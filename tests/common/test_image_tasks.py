@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import cli, experiments, mesh, models, parallel, plan
+from nnx_zoo.common import cli, experiments, mesh, models, parallel, plan, tasks
 from nnx_zoo.common.data import images
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import weights
@@ -56,7 +56,7 @@ def test_image_classification_loss_is_the_weighted_cross_entropy():
     "labels": jnp.array([1, 7, 3]),
     "weights": jnp.array([1.0, 1.0, 0.0]),  # the last: a padding row
   }
-  total, count = losses.task_sums(model, batch)
+  total, count = tasks.get("classifier").loss_sums(model, batch)
   logp = log_softmax(model(batch["images"]))
   assert float(count) == 2
   np.testing.assert_allclose(float(total), -(logp[0, 1] + logp[1, 7]), rtol=1e-5)
@@ -71,7 +71,7 @@ def test_contrastive_task_is_clips_symmetric_loss():
     "text": jnp.asarray(images.encode_texts(texts, 36)),
     "weights": jnp.ones(3),
   }
-  total, count = losses.task_sums(model, batch)
+  total, count = tasks.get("contrastive").loss_sums(model, batch)
 
   def unit(x):
     x = np.asarray(x, np.float64)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import experiments, hub, models
+from nnx_zoo.common import experiments, hub, models, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import weights
 from nnx_zoo.common.nn import lora, memory
@@ -16,6 +16,8 @@ from nnx_zoo.common.train import optim, trainer
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.bert import model as bert
 from nnx_zoo.zoo.llama import model as llama
+
+TASK = tasks.get("language_model")  # the task of every batch here
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)), jnp.int32)
 
@@ -82,7 +84,9 @@ def test_a_train_step_moves_only_adapters_and_named_params():
   moments = [x for x in jax.tree.leaves(state.opt_state) if getattr(x, "ndim", 0) > 0]
   assert sum(x.size for x in moments) == 2 * sum(x.size for x in jax.tree.leaves(trained_part))
 
-  step = jax.jit(lambda s, b: steps.train_step(s, b, graphdef=graphdef, tx=tx, trainable=trainable))
+  step = jax.jit(
+    lambda s, b: steps.train_step(s, b, graphdef=graphdef, task=TASK, tx=tx, trainable=trainable)
+  )
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 33)), jnp.int32)
   before = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(state.params)}
   new, metrics = step(state, {"tokens": tokens, "segment_ids": jnp.ones_like(tokens)})

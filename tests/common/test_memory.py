@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import models, sampling
+from nnx_zoo.common import models, sampling, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import lora, memory
 from nnx_zoo.common.train import step as steps
@@ -18,6 +18,8 @@ from nnx_zoo.zoo.gemma import model as gemma
 from nnx_zoo.zoo.gpt2 import model as gpt2
 from nnx_zoo.zoo.llama import model as llama
 from nnx_zoo.zoo.t5 import model as t5
+
+TASK = tasks.get("language_model")  # the task of every batch here
 
 
 def sums_and_grads(*args, **kw):
@@ -51,7 +53,9 @@ def source_target_pairs(B=4, S=7, T=5):
 
 def sums(cfg, micro_batches=1):
   graphdef, params = nnx.split(models.build(cfg), nnx.Param)
-  fn = jax.jit(lambda p, b: sums_and_grads(p, b, graphdef=graphdef, micro_batches=micro_batches))
+  fn = jax.jit(
+    lambda p, b: sums_and_grads(p, b, graphdef=graphdef, task=TASK, micro_batches=micro_batches)
+  )
   return fn(params, batch()), (graphdef, params)
 
 
@@ -74,7 +78,9 @@ def test_remat_equals_no_remat_and_is_applied(policy):
   cfg.remat = policy
   (got, (graphdef, params)), (want, _) = sums(cfg), sums(base)
   assert_same(got, want)
-  jaxpr = str(jax.make_jaxpr(lambda p: sums_and_grads(p, batch(), graphdef=graphdef))(params))
+  jaxpr = str(
+    jax.make_jaxpr(lambda p: sums_and_grads(p, batch(), graphdef=graphdef, task=TASK))(params)
+  )
   assert "remat" in jaxpr or "checkpoint" in jaxpr
 
 
@@ -313,7 +319,9 @@ def test_an_encoder_decoder_accumulates_in_both_stacks_and_through_the_cross_att
 
   def run(cfg, micro):
     graphdef, params = nnx.split(models.build(cfg), nnx.Param)
-    fn = lambda p: sums_and_grads(p, pairs, graphdef=graphdef, micro_batches=micro)
+    fn = lambda p: sums_and_grads(
+      p, pairs, graphdef=graphdef, task=tasks.get("seq2seq"), micro_batches=micro
+    )
     return jax.jit(fn)(params)
 
   base = t5.config("tiny", num_layers=3)

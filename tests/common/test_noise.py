@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import models
+from nnx_zoo.common import models, tasks
 from nnx_zoo.common.nn import noise
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.llama import model as llama
 from nnx_zoo.zoo.t5 import model as t5
 
 from .test_memory import assert_same, batch, source_target_pairs, sums_and_grads, with_scan
+
+TASK = tasks.get("language_model")  # the task of every batch here
 
 KEY = jax.random.key_data(jax.random.key(3))
 
@@ -77,11 +79,13 @@ def test_a_model_outside_a_training_step_is_the_model_without_drop_path():
   np.testing.assert_array_equal(noisy(tokens), plain(tokens))
 
 
-def draws(cfg, micro_batches=1, data=None):
+def draws(cfg, micro_batches=1, data=None, task=TASK):
   data = batch() if data is None else data
   graphdef, params = nnx.split(models.build(cfg), nnx.Param)
   kw = dict(noise_key=KEY, rows=jnp.arange(steps.batch_rows(data)))
-  fn = lambda p, b: sums_and_grads(p, b, graphdef=graphdef, micro_batches=micro_batches, **kw)
+  fn = lambda p, b: sums_and_grads(
+    p, b, graphdef=graphdef, task=task, micro_batches=micro_batches, **kw
+  )
   return jax.jit(fn)(params, data)
 
 
@@ -95,7 +99,7 @@ def test_the_draws_do_not_depend_on_how_the_step_is_computed():
   assert_same(draws(with_scan(base)), want)
   assert_same(draws(with_scan(base, remat="full"), micro_batches=2), want)
   graphdef, params = nnx.split(models.build(base), nnx.Param)
-  plain = jax.jit(lambda p, b: sums_and_grads(p, b, graphdef=graphdef))(params, batch())
+  plain = jax.jit(lambda p, b: sums_and_grads(p, b, graphdef=graphdef, task=TASK))(params, batch())
   differ = [
     float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
     for a, b in zip(jax.tree.leaves(plain[2]), jax.tree.leaves(want[2]), strict=True)
@@ -108,7 +112,10 @@ def test_an_encoder_decoder_draws_per_stack_the_same_scanned_or_not():
   not the same draw); scanned and rematerialised with micro-batches, the same sums."""
   pairs = source_target_pairs()
   base = dropping(t5.config("tiny", num_layers=2))
-  assert_same(draws(with_scan(base, remat="full"), 2, pairs), draws(base, 1, pairs))
+  seq2seq = tasks.get("seq2seq")
+  assert_same(
+    draws(with_scan(base, remat="full"), 2, pairs, seq2seq), draws(base, 1, pairs, seq2seq)
+  )
   rows, streams = jnp.arange(64), []
   with noise.drawing(KEY, rows):
     for _ in range(2):
@@ -142,11 +149,13 @@ def test_a_train_step_draws_from_the_run_seed_and_the_step_alone():
   graphdef, state = steps.init_state(cfg, tx)
   data = batch(B=4, T=cfg.data.seq_len + 1, vocab=cfg.model.vocab_size)
   step = jax.jit(
-    lambda s, b: steps.train_step(s, b, graphdef=graphdef, tx=tx, noisy=True)[1]["loss"]
+    lambda s, b: steps.train_step(s, b, graphdef=graphdef, task=TASK, tx=tx, noisy=True)[1]["loss"]
   )
   first = float(step(state, data))
   assert float(step(state, data)) == first
   later = dataclasses.replace(state, step=state.step + 1)
   assert float(step(later, data)) != first
-  quiet = jax.jit(lambda s, b: steps.train_step(s, b, graphdef=graphdef, tx=tx)[1]["loss"])
+  quiet = jax.jit(
+    lambda s, b: steps.train_step(s, b, graphdef=graphdef, task=TASK, tx=tx)[1]["loss"]
+  )
   assert float(quiet(later, data)) == float(quiet(state, data))  # without noise: no step in it

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import cli, config, experiments, models
+from nnx_zoo.common import cli, config, experiments, models, tasks
 from nnx_zoo.common.data import spans, tokenizers
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.train import losses, trainer
@@ -57,7 +57,7 @@ def test_seq2seq_loss_is_the_summed_cross_entropy_of_real_targets():
     "targets": jnp.asarray(rng.integers(0, 64, (2, 5)), jnp.int32),
     "target_segment_ids": jnp.asarray([[1] * 5, [1] * 3 + [0] * 2]),
   }
-  total, count = losses.task_sums(model, batch)
+  total, count = tasks.get("seq2seq").loss_sums(model, batch)
   decoder = jnp.concatenate([jnp.zeros((2, 1), jnp.int32), batch["targets"][:, :-1]], axis=1)
   logits = np.asarray(
     model(batch["inputs"], decoder, segment_ids_BS=batch["input_segment_ids"]), np.float64
@@ -69,7 +69,7 @@ def test_seq2seq_loss_is_the_summed_cross_entropy_of_real_targets():
   assert float(count) == 8
   np.testing.assert_allclose(float(total), (ce * weights).sum(), rtol=1e-5)
   # The chunked head (train.loss_chunk) gives the same sum.
-  chunked, _ = losses.task_sums(model, batch, loss_chunk=3)
+  chunked, _ = tasks.get("seq2seq").loss_sums(model, batch, loss_chunk=3)
   np.testing.assert_allclose(float(chunked), float(total), rtol=1e-5)
 
 
@@ -79,7 +79,7 @@ def test_seq2seq_data_on_a_decoder_is_one_clear_error():
   batch = {k: jnp.ones((1, 4), jnp.int32) for k in ("inputs", "input_segment_ids")}
   batch.update({k: jnp.ones((1, 3), jnp.int32) for k in ("targets", "target_segment_ids")})
   with pytest.raises(UserError, match="needs an encoder-decoder model"):
-    losses.task_sums(decoder, batch)
+    tasks.get("seq2seq").loss_sums(decoder, batch)
   cfg.model.vocab_size = 256
   with pytest.raises(UserError, match="model.vocab_size=288 or more"):
     trainer.load_data(cfg)

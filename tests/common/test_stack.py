@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import models
+from nnx_zoo.common import models, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import attention, aux, memory, mlp, norms
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.gemma import model as gemma
 from nnx_zoo.zoo.llama import model as llama
+
+TASK = tasks.get("language_model")  # the task of every batch here
 
 
 @mlp.register("toy_l2")
@@ -48,7 +50,9 @@ def batch(B=4, T=9):
 def sums_and_grads(cfg, micro_batches=1):
   graphdef, params = nnx.split(models.build(cfg, seed=0), nnx.Param)
   fn = jax.jit(
-    lambda p: steps.sums_and_grads(p, batch(), graphdef=graphdef, micro_batches=micro_batches)
+    lambda p: steps.sums_and_grads(
+      p, batch(), graphdef=graphdef, task=TASK, micro_batches=micro_batches
+    )
   )
   sums, grads = fn(params)
   # One tree per layer (model.scan stores the layers stacked: nnx_zoo.common.nn.memory).

@@ -13,9 +13,17 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from nnx_zoo.common import experiments, mesh, models, parallel  # noqa: E402
+from nnx_zoo.common import (  # noqa: E402
+  experiments,
+  mesh,
+  models,
+  parallel,
+  tasks,  # noqa: E402
+)
 from nnx_zoo.common.train import step as steps  # noqa: E402
 from nnx_zoo.zoo.gpt2 import model as gpt2  # noqa: E402
+
+TASK = tasks.get("language_model")  # the task of every batch here
 
 # (data, fsdp, expert, context, tensor): every family on context alone and on context with
 # the others; the char model on more.
@@ -85,7 +93,9 @@ def run(family: str, *, scan: bool, ring: bool) -> dict:
 
   out = {
     "single": result(
-      *jax.jit(steps.sums_and_grads, static_argnames="graphdef")(params, batch, graphdef=graphdef)
+      *jax.jit(steps.sums_and_grads, static_argnames=("graphdef", "task"))(
+        params, batch, graphdef=graphdef, task=TASK
+      )
     )
   }
   for sizes in [(1, 1, 1, 4, 1), (1, 2, 1, 4, 1)] if ring else MESHES[FAMILIES[family][1]]:
@@ -94,10 +104,10 @@ def run(family: str, *, scan: bool, ring: bool) -> dict:
     placed = jax.device_put(params, layout.shardings(layout.param_specs(params)))
     fn = jax.jit(
       lambda p, b, layout=layout: steps.sharded_sums_and_grads(
-        p, b, graphdef=graphdef, layout=layout
+        p, b, graphdef=graphdef, task=TASK, layout=layout
       )
     )
-    placed_batch = steps.put_batch(batch, layout)
+    placed_batch = steps.put_batch(batch, layout, TASK)
     out[str(sizes)] = result(*fn(placed, placed_batch))
     # What each device was fed: its share of the next-token rows, made on the host.
     inputs = placed_batch["next_token"]["inputs"]

@@ -12,10 +12,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from nnx_zoo.common import experiments, models, parallel  # noqa: E402
+from nnx_zoo.common import experiments, models, parallel, tasks  # noqa: E402
 from nnx_zoo.common.nn import memory  # noqa: E402
 from nnx_zoo.common.train import optim  # noqa: E402
 from nnx_zoo.common.train import step as steps  # noqa: E402
+
+TASK = tasks.get("language_model")  # the task of every batch here
 
 # (data, fsdp, expert, tensor): expert 4 and 2, with data, fsdp and tensor beside it.
 MESHES = [(2, 1, 4, 1), (1, 2, 2, 2), (1, 1, 4, 2), (2, 2, 2, 1)]
@@ -41,7 +43,9 @@ def main(exp: str):
 
   out = {
     "single": result(
-      *jax.jit(lambda p, b: steps.sums_and_grads(p, b, graphdef=graphdef))(state.params, batch)
+      *jax.jit(lambda p, b: steps.sums_and_grads(p, b, graphdef=graphdef, task=TASK))(
+        state.params, batch
+      )
     )
   }
   scanned = cfg.model.copy_and_resolve_references()
@@ -59,7 +63,7 @@ def main(exp: str):
     params = jax.device_put(run_params, layout.shardings(layout.param_specs(run_params)))
     fn = jax.jit(
       lambda p, b, layout=layout, gd=gd: steps.sharded_sums_and_grads(
-        p, b, graphdef=gd, layout=layout
+        p, b, graphdef=gd, task=TASK, layout=layout
       )
     )
     sums, grads = fn(params, steps.put_batch(batch, layout))

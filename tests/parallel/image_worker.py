@@ -12,7 +12,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from nnx_zoo.common import experiments, parallel  # noqa: E402
+from nnx_zoo.common import experiments, parallel, tasks  # noqa: E402
 from nnx_zoo.common.train import optim, trainer  # noqa: E402
 from nnx_zoo.common.train import step as steps  # noqa: E402
 
@@ -29,9 +29,9 @@ def main(exp: str):
   def flat(grads):
     return {"/".join(map(str, k)): np.asarray(v).tolist() for k, v in nnx.to_flat_state(grads)}
 
-  sums, grads = jax.jit(lambda p, b: steps.sums_and_grads(p, b, graphdef=graphdef))(
-    state.params, batch
-  )
+  sums, grads = jax.jit(
+    lambda p, b: steps.sums_and_grads(p, b, graphdef=graphdef, task=tasks.of(cfg))
+  )(state.params, batch)
   out = {
     "single": {"total": float(sums["total"]), "count": float(sums["count"]), "grads": flat(grads)}
   }
@@ -41,7 +41,7 @@ def main(exp: str):
     params = jax.device_put(state.params, shardings.params)
     fn = jax.jit(
       lambda p, b, layout=layout: steps.sharded_sums_and_grads(
-        p, b, graphdef=graphdef, layout=layout
+        p, b, graphdef=graphdef, task=tasks.of(cfg), layout=layout
       )
     )
     sums, grads = fn(params, steps.put_batch(batch, layout))

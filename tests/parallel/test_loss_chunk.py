@@ -22,6 +22,9 @@ from nnx_zoo.common import experiments, parallel
 from nnx_zoo.common.train import trainer
 from nnx_zoo.common.train import optim
 from nnx_zoo.common.train import step as steps
+from nnx_zoo.common import tasks
+
+TASK = tasks.get("language_model")  # the task of every batch here
 
 cfg = experiments.get_config("lm/shakespeare-char:smoke", {"train.batch_size": "8"})
 cfg.model.tie_embeddings = sys.argv[1] == "tied"
@@ -32,7 +35,7 @@ B, T = 8, cfg.data.seq_len + 1
 batch = {"tokens": rng.integers(0, cfg.model.vocab_size, (B, T)).astype(np.int32),
          "segment_ids": np.where(np.arange(T) < T // 3, 1, 2).astype(np.int32)[None].repeat(B, 0)}
 flat = lambda g: {"/".join(map(str, k)): np.asarray(v).tolist() for k, v in nnx.to_flat_state(g)}
-sums, grads = jax.jit(lambda p, b: steps.sums_and_grads(p, b, graphdef=graphdef))(
+sums, grads = jax.jit(lambda p, b: steps.sums_and_grads(p, b, graphdef=graphdef, task=TASK))(
     state.params, batch)
 total = sums["total"]
 out = {"plain": {"total": float(total), "grads": flat(grads)}}
@@ -42,7 +45,7 @@ for sizes in MESHES:
   _, shardings = steps.placed_abstract_state(cfg, tx, layout)
   # 24 does not divide a device's 8 / (data x fsdp) x 32 tokens
   fn = jax.jit(lambda p, b, layout=layout: steps.sharded_sums_and_grads(
-      p, b, graphdef=graphdef, layout=layout, loss_chunk=24))
+      p, b, graphdef=graphdef, task=TASK, layout=layout, loss_chunk=24))
   sums, grads = fn(jax.device_put(state.params, shardings.params), steps.put_batch(batch, layout))
   total = sums["total"]
   out[str(sizes)] = {"total": float(total), "grads": flat(grads)}

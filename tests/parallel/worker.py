@@ -11,10 +11,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from nnx_zoo.common import experiments, models, parallel  # noqa: E402
+from nnx_zoo.common import experiments, models, parallel, tasks  # noqa: E402
 from nnx_zoo.common.nn import lora, memory
 from nnx_zoo.common.train import optim
 from nnx_zoo.common.train import step as steps
+
+TASK = tasks.get("language_model")  # the task of every batch here
 
 MESHES = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 4, 2), (1, 1, 2)]
 
@@ -44,7 +46,7 @@ def main(exp: str):
   def flat(grads):
     return {"/".join(map(str, k)): np.asarray(v).tolist() for k, v in nnx.to_flat_state(grads)}
 
-  total, count, grads = jax.jit(lambda p, b: sums_and_grads(p, b, graphdef=graphdef))(
+  total, count, grads = jax.jit(lambda p, b: sums_and_grads(p, b, graphdef=graphdef, task=TASK))(
     state.params, batch
   )
   out = {"single": {"total": float(total), "count": float(count), "grads": flat(grads)}}
@@ -57,7 +59,9 @@ def main(exp: str):
     params = jax.device_put(state.params, shardings.params)
     placed = steps.put_batch(batch, layout)
     fn = jax.jit(
-      lambda p, b, layout=layout: sharded_sums_and_grads(p, b, graphdef=graphdef, layout=layout)
+      lambda p, b, layout=layout: sharded_sums_and_grads(
+        p, b, graphdef=graphdef, task=TASK, layout=layout
+      )
     )
     total, count, grads = fn(params, placed)
     # Each parameter's placement, and how many bytes of it one device holds.
@@ -82,7 +86,9 @@ def main(exp: str):
   layout = parallel.make_layout({"data": 2, "fsdp": 2, "tensor": 2})
   _, shardings = steps.placed_abstract_state(cfg, tx, layout)
   total, count, grads = jax.jit(
-    lambda p, b: sharded_sums_and_grads(p, b, graphdef=graphdef, layout=layout, micro_batches=2)
+    lambda p, b: sharded_sums_and_grads(
+      p, b, graphdef=graphdef, task=TASK, layout=layout, micro_batches=2
+    )
   )(jax.device_put(state.params, shardings.params), steps.put_batch(batch, layout))
   out["(2, 2, 2) micro_batches=2"] = {"total": float(total), "count": float(count)}
   out["(2, 2, 2) micro_batches=2"]["grads"] = flat(grads)
@@ -99,7 +105,7 @@ def main(exp: str):
     return jax.device_put(x, layout.shardings(layout.param_specs(x)))
 
   total, count, grads = jax.jit(
-    lambda p, b: sharded_sums_and_grads(p, b, graphdef=scan_graphdef, layout=layout)
+    lambda p, b: sharded_sums_and_grads(p, b, graphdef=scan_graphdef, task=TASK, layout=layout)
   )(place(scan_params), steps.put_batch(batch, layout))
   grads = memory.unstack_layers(grads)
   out["(2, 2, 2) scan"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
@@ -110,7 +116,7 @@ def main(exp: str):
   full_graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(full)))
   total, count, grads = jax.jit(
     lambda p, b: sharded_sums_and_grads(
-      p, b, graphdef=full_graphdef, layout=layout, micro_batches=2
+      p, b, graphdef=full_graphdef, task=TASK, layout=layout, micro_batches=2
     )
   )(place(scan_params), steps.put_batch(batch, layout))
   grads = memory.unstack_layers(grads)
@@ -138,13 +144,15 @@ def main(exp: str):
   lora_graphdef, lora_params = nnx.split(lora_model, nnx.Param)
   trained, frozen = nnx.split_state(lora_params, lora.trainable(lora_cfg), ...)
   total, count, grads = jax.jit(
-    lambda t, f, b: sums_and_grads(t, b, graphdef=lora_graphdef, frozen=f)
+    lambda t, f, b: sums_and_grads(t, b, graphdef=lora_graphdef, task=TASK, frozen=f)
   )(trained, frozen, batch)
   out["lora single"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
   layout = parallel.make_layout({"data": 1, "fsdp": 4, "tensor": 2})
 
   total, count, grads = jax.jit(
-    lambda t, f, b: sharded_sums_and_grads(t, b, graphdef=lora_graphdef, layout=layout, frozen=f)
+    lambda t, f, b: sharded_sums_and_grads(
+      t, b, graphdef=lora_graphdef, task=TASK, layout=layout, frozen=f
+    )
   )(place(trained), place(frozen), steps.put_batch(batch, layout))
   out["(1, 4, 2) lora"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
   # The same, scanned and rematerialised in full with micro-batches: frozen stacked base
@@ -156,7 +164,7 @@ def main(exp: str):
   trained, frozen = nnx.split_state(full_params, lora.trainable(lora_full), ...)
   total, count, grads = jax.jit(
     lambda t, f, b: sharded_sums_and_grads(
-      t, b, graphdef=nnx.graphdef(full_model), layout=layout, frozen=f, micro_batches=2
+      t, b, graphdef=nnx.graphdef(full_model), task=TASK, layout=layout, frozen=f, micro_batches=2
     )
   )(place(trained), place(frozen), steps.put_batch(batch, layout))
   grads = memory.unstack_layers(grads)
@@ -172,19 +180,21 @@ def main(exp: str):
   noisy_graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(noisy)))
   draws = dict(noise_key=jax.random.key_data(jax.random.key(7)), rows=np.arange(B))
   total, count, grads = jax.jit(
-    lambda p, b: sums_and_grads(p, b, graphdef=noisy_graphdef, **draws)
+    lambda p, b: sums_and_grads(p, b, graphdef=noisy_graphdef, task=TASK, **draws)
   )(state.params, batch)
   out["drop_path single"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
   layout = parallel.make_layout({"data": 2, "fsdp": 2, "tensor": 2})
   total, count, grads = jax.jit(
-    lambda p, b: sharded_sums_and_grads(p, b, graphdef=noisy_graphdef, layout=layout, **draws)
+    lambda p, b: sharded_sums_and_grads(
+      p, b, graphdef=noisy_graphdef, task=TASK, layout=layout, **draws
+    )
   )(place(state.params), steps.put_batch(batch, layout))
   out["(2, 2, 2) drop_path"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
   noisy.scan, noisy.remat = True, "full"
   noisy_graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(noisy)))
   total, count, grads = jax.jit(
     lambda p, b: sharded_sums_and_grads(
-      p, b, graphdef=noisy_graphdef, layout=layout, micro_batches=2, **draws
+      p, b, graphdef=noisy_graphdef, task=TASK, layout=layout, micro_batches=2, **draws
     )
   )(place(scan_params), steps.put_batch(batch, layout))
   out["(2, 2, 2) drop_path scan full micro_batches=2"] = {
@@ -197,7 +207,9 @@ def main(exp: str):
   layout = parallel.make_layout({"data": 1, "fsdp": 8, "tensor": 1})
   _, shardings = steps.placed_abstract_state(cfg, tx, layout)
   hlo = (
-    jax.jit(lambda p, b: sharded_sums_and_grads(p, b, graphdef=scan_graphdef, layout=layout))
+    jax.jit(
+      lambda p, b: sharded_sums_and_grads(p, b, graphdef=scan_graphdef, task=TASK, layout=layout)
+    )
     .lower(place(scan_params), steps.put_batch(batch, layout))
     .compile()
     .as_text()

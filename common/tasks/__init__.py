@@ -1,0 +1,126 @@
+"""Tasks: what a run optimises and evaluates, named once in the config (`task`).
+
+A task is one object (a `Task` subclass in a module of this package) that says, for every
+family that can be trained on it: the global batch's shapes (what `zoo plan` compiles), the
+summed training loss, the held-out sums and their summary, and what `zoo generate` does with a
+run of it. The trainer, the step, the planner and the CLI call it and never guess the task from
+a batch's keys or a dataset's name. Adding a task is one module that calls `register(...)` when
+imported, plus its name in `MODULES` below (CONTRIBUTING.md, "Adding a task").
+
+A config saved before `task` existed (a workdir's config.json, a `zoo convert` output) names
+none: `of(cfg)` infers it once from what such a config holds (`infer`).
+"""
+
+import importlib
+
+import jax
+import numpy as np
+
+from nnx_zoo.common.errors import UserError, suggest
+
+# The modules that register the built-in tasks.
+MODULES = (
+  "nnx_zoo.common.tasks.language_model",
+  "nnx_zoo.common.tasks.seq2seq",
+  "nnx_zoo.common.tasks.classifier",
+  "nnx_zoo.common.tasks.contrastive",
+  "nnx_zoo.common.tasks.denoiser",
+  "nnx_zoo.common.tasks.speech",
+)
+
+
+class Task:
+  """The interface every task implements (`name` and `loss_sums` at least)."""
+
+  name: str = ""
+
+  def loss_sums(self, model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+    """The batch's summed training loss and the count it is the mean over."""
+    raise NotImplementedError
+
+  def eval_sums(self, model, batch: dict, *, prompts=None) -> dict:
+    """Sums of a held-out batch: `total` and `count` at least (`prompts`: a data kind's
+    class prompts, for a model classified by them)."""
+    total, count = self.loss_sums(model, batch)
+    return {"total": total, "count": count}
+
+  def summary(self, sums: dict) -> dict:
+    """The held-out metrics from the sums of every batch."""
+    count = max(sums["count"], 1.0)
+    return {"loss": sums["total"] / count, "examples": int(count)}
+
+  def batch_shapes(self, cfg) -> dict[str, tuple[tuple[int, ...], type]]:
+    """{key: (shape, dtype)} of a global training batch, as the data kinds feed it."""
+    raise UserError(f"`zoo plan` does not know the batches of the {self.name} task yet.")
+
+  def context_rows(self, batch: dict):
+    """The rows `mesh.context` splits (a language model's next-token rows), or None: the task
+    has no token rows to split."""
+    return None
+
+  def generate(self, args, cfg) -> None:
+    """`zoo generate --workdir W` of a run of this task (prints or writes what it makes)."""
+    raise UserError(f"`zoo generate` has nothing to make for a {self.name} model.")
+
+
+_TASKS: dict[str, Task] = {}
+_imported = False
+
+
+def register(task: Task) -> Task:
+  held = _TASKS.get(task.name)
+  if held is not None and type(held).__module__ != type(task).__module__:
+    raise ValueError(
+      f"Task {task.name!r} is registered by {type(held).__module__} already: give "
+      f"{type(task).__module__}'s another name."
+    )
+  _TASKS[task.name] = task
+  return task
+
+
+def names() -> tuple[str, ...]:
+  global _imported
+  if not _imported:
+    for module in MODULES:
+      importlib.import_module(module)
+    _imported = True
+  return tuple(sorted(_TASKS))
+
+
+def get(name: str) -> Task:
+  known = names()
+  if name not in known:
+    raise UserError(f"Unknown task {name!r}.{suggest(name, known)} Known: {', '.join(known)}.")
+  return _TASKS[name]
+
+
+def of(cfg) -> Task:
+  """The task of a config: its `task`, or for a config saved before that key, `infer(cfg)`."""
+  return get(cfg.get("task") or infer(cfg))
+
+
+def infer(cfg) -> str:
+  """The task of a config that names none, from what it holds: a diffusion section (denoiser),
+  an encoder-decoder of frames (speech) or of tokens (seq2seq), a CLIP pair of towers
+  (contrastive), a classifier head (classifier), else a language model."""
+  from nnx_zoo.common import models
+  from nnx_zoo.common.nn.denoiser import Denoiser
+  from nnx_zoo.common.nn.transformer import EncoderDecoder
+
+  if cfg.get("diffusion") is not None:
+    return "denoiser"
+  model_cls = models.family_module(cfg.model.family).Model
+  if issubclass(model_cls, Denoiser):
+    return "denoiser"
+  if issubclass(model_cls, EncoderDecoder):
+    return "speech" if cfg.model.get("inputs") == "frames" else "seq2seq"
+  if "vision" in cfg.model and "text" in cfg.model:
+    return "contrastive"
+  if cfg.model.get("num_labels", 0) or not hasattr(model_cls, "init_cache"):
+    return "classifier"
+  return "language_model"
+
+
+def token_rows(B: int, T: int) -> dict:
+  """Shapes of packed token rows and their segment ids, [B, T]."""
+  return {k: ((B, T), np.int32) for k in ("tokens", "segment_ids")}

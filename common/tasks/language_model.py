@@ -1,0 +1,70 @@
+"""The language model task: next-token cross-entropy over packed rows of documents; `zoo
+generate` continues a prompt."""
+
+import jax
+import numpy as np
+
+from nnx_zoo.common import tasks
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.train import losses
+
+
+class LanguageModel(tasks.Task):
+  name = "language_model"
+
+  def loss_sums(self, model, batch, *, loss_chunk=0):
+    return losses.loss_sums(model, batch, loss_chunk=loss_chunk)
+
+  def summary(self, sums):
+    count = max(sums["count"], 1.0)
+    loss = sums["total"] / count
+    return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), "targets": int(count)}
+
+  def batch_shapes(self, cfg):
+    return tasks.token_rows(cfg.train.batch_size, cfg.data.seq_len + 1)
+
+  def context_rows(self, batch):
+    return losses.next_token_rows(batch)
+
+  def generate(self, args, cfg):
+    from nnx_zoo.common import sampling
+    from nnx_zoo.common.data import spans, tokenizers
+    from nnx_zoo.common.hub import weights
+
+    check_prompt(args, cfg)
+    if spans.has_sentinels(args.prompt):
+      raise UserError(
+        f"The prompt has T5 sentinels (<extra_id_N>), which {cfg.model.family}, a decoder-only "
+        "model, does not read: give plain text, or the --workdir of an encoder-decoder run."
+      )
+    graphdef, params, _ = weights.restore_params(cfg, args.workdir)
+    tokenizer = tokenizers.load(cfg.data.tokenizer)
+    prompt = tokenizer.encode(args.prompt)
+    if len(prompt) == 0:
+      raise UserError("The prompt is empty: give --prompt TEXT.")
+    out = sampling.generate(
+      (graphdef, params),
+      prompt[None],
+      max_new_tokens=args.max_new_tokens,
+      rng=jax.random.key(args.seed),
+      temperature=0.8 if args.temperature is None else args.temperature,
+      top_k=args.top_k,
+      top_p=args.top_p,
+    )
+    print(tokenizer.decode(out[0].tolist()))
+
+
+def check_prompt(args, cfg):
+  """The arguments of a text model's `zoo generate`: a prompt, and no speech model's."""
+  if args.audio is not None:
+    raise UserError(
+      f"--audio needs a speech model (an encoder-decoder of log-mel frames, e.g. Whisper); "
+      f"{args.workdir} holds a {cfg.model.family} model: give it --prompt TEXT."
+    )
+  if args.language is not None or args.task is not None:
+    raise UserError("--language and --task choose a speech model's prompt: give them with --audio.")
+  if args.prompt is None:
+    raise UserError(f"{cfg.model.family} is a language model: give --prompt TEXT.")
+
+
+tasks.register(LanguageModel())
