@@ -180,13 +180,13 @@ def _print_attention_impl(cfg, hardware_name: str):
   """What attention.impl="auto" runs on the hardware the config was resolved for (as the layer
   resolves it when the step is traced; a packed text batch of data.seq_len rows)."""
   from nnx_zoo.common import mesh
-  from nnx_zoo.common.nn import attention
+  from nnx_zoo.common.nn import attention_report
 
   seq_len = cfg.get("data", {}).get("seq_len", 0)
   if not seq_len or "attention" not in cfg.model:
     return
   platform = mesh.platform_of(hardware_name)
-  resolved = attention.describe_auto(
+  resolved = attention_report.describe_auto(
     cfg.model, platform=platform, seq_len=seq_len, device_kind=hardware_name
   )
   if resolved:
@@ -218,7 +218,7 @@ def cmd_run(args, overrides):
 def cmd_eval(args, overrides):
   import jax
 
-  from nnx_zoo.common import distributed, experiments, mesh, parallel
+  from nnx_zoo.common import distributed, experiments, mesh, parallel, tasks
   from nnx_zoo.common.hub import weights
   from nnx_zoo.common.train import metrics, trainer
 
@@ -233,10 +233,7 @@ def cmd_eval(args, overrides):
   if data.eval is None:
     raise UserError(f"{args.exp} has no held-out split: set data.eval_files.")
   result = trainer.evaluate(params, data, graphdef=graphdef, cfg=cfg, layout=layout)
-  if cfg.get("diffusion") is not None:  # a denoiser: its samples' class accuracy and novelty
-    from nnx_zoo.common.train import diffusion
-
-    result.update(diffusion.evaluate_samples(graphdef, params, cfg))
+  result.update(tasks.of(cfg).score(graphdef, params, cfg))  # a denoiser's samples, say
   log = metrics.MetricsLog(args.workdir)
   log.write(step, result, split="eval")
   log.close()

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_zoo.common import config as config_lib
-from nnx_zoo.common import models
+from nnx_zoo.common import models, tasks
 from nnx_zoo.common.data import tokenizers as tokenizers_lib
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, generation, paths
@@ -243,6 +243,7 @@ def convert_hf(src: str, out: str, *, param_dtype: str = "float32") -> dict:
   run_config = ml_collections.ConfigDict(
     {"model": cfg.to_dict(), "data": {"tokenizer": tokenizer.to_dict()}, "source": source}
   )
+  run_config.task = tasks.infer(run_config)  # what `zoo generate` does with it
   meta = {
     "family": cfg.family,
     "model": cfg.to_dict(),

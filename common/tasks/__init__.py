@@ -1,11 +1,12 @@
 """Tasks: what a run optimises and evaluates, named once in the config (`task`).
 
-A task is one object (a `Task` subclass in a module of this package) that says, for every
-family that can be trained on it: the global batch's shapes (what `zoo plan` compiles), the
-summed training loss, the held-out sums and their summary, and what `zoo generate` does with a
-run of it. The trainer, the step, the planner and the CLI call it and never guess the task from
-a batch's keys or a dataset's name. Adding a task is one module that calls `register(...)` when
-imported, plus its name in `MODULES` below (CONTRIBUTING.md, "Adding a task").
+A task is one object (a `Task` subclass in a module of this package) that says, for every family
+that can be trained on it: the global batch's shapes (what `zoo plan` compiles), the summed
+training loss, the held-out sums and their summary, what `zoo eval` scores beyond them, and what
+`zoo generate` does with a run of it. The trainer, the step, the planner and the CLI call it and
+never guess the task from a batch's keys or a dataset's name. Adding a task is one module that
+calls `register(...)` when imported, plus its name in `MODULES` below (CONTRIBUTING.md,
+"Adding a task").
 
 A config saved before `task` existed (a workdir's config.json, a `zoo convert` output) names
 none: `of(cfg)` infers it once from what such a config holds (`infer`).
@@ -48,6 +49,10 @@ class Task:
     """The held-out metrics from the sums of every batch."""
     count = max(sums["count"], 1.0)
     return {"loss": sums["total"] / count, "examples": int(count)}
+
+  def score(self, graphdef, params, cfg) -> dict:
+    """What `zoo eval` measures beyond the held-out sums (a denoiser: its samples)."""
+    return {}
 
   def batch_shapes(self, cfg) -> dict[str, tuple[tuple[int, ...], type]]:
     """{key: (shape, dtype)} of a global training batch, as the data kinds feed it."""

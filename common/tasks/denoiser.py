@@ -17,6 +17,10 @@ class Denoiser(tasks.Task):
   def loss_sums(self, model, batch, *, loss_chunk=0):
     return diffusion.denoise_sums(model, batch)
 
+  def score(self, graphdef, params, cfg):
+    """Its samples' class accuracy and novelty (`diffusion.evaluate_samples`)."""
+    return diffusion.evaluate_samples(graphdef, params, cfg)
+
   def generate(self, args, cfg):
     """Images of the given classes into an .npz file."""
     from nnx_zoo.common.hub import weights
