@@ -25,8 +25,6 @@ Gradients of replicated parameters are summed over the batch axes by shard_map's
 autodiff (varying-axis typing), which is why the step runs with `check_vma=True`.
 """
 
-import contextlib
-import contextvars
 import dataclasses
 
 import jax
@@ -36,6 +34,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.common import step_context
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.mesh import AXES
 from nnx_zoo.kernels import vma
@@ -225,18 +224,17 @@ def check_experiment(cfg, sizes: dict[str, int]):
   )
 
 
-# What the shared layers call. Outside a sharded step `_ACTIVE` is None and all are no-ops.
-
-_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("layout", default=None)
+# What the shared layers call. Outside a sharded step there is no layout and all are no-ops.
 
 
-@contextlib.contextmanager
 def active(layout: Layout | None):
-  token = _ACTIVE.set(layout)
-  try:
-    yield
-  finally:
-    _ACTIVE.reset(token)
+  """Within it, the shared layers compute as a device of `layout` (the step context's)."""
+  return step_context.entered(layout=layout)
+
+
+def current_layout() -> Layout | None:
+  """The layout of the sharded step being traced; None outside one."""
+  return step_context.current().layout
 
 
 def token_sum(tree):
@@ -274,7 +272,7 @@ def context_order(length: int, context: int) -> np.ndarray:
 
 def context_split() -> bool:
   """Whether the sharded step being traced splits the tokens of its rows over `context`."""
-  layout = _ACTIVE.get()
+  layout = current_layout()
   return layout is not None and layout.sizes.get("context", 1) > 1
 
 
@@ -283,7 +281,7 @@ def token_index(local_length: int) -> jax.Array:
   own slice of `context_order` (0..T-1 when the tokens are not split)."""
   if not context_split():
     return jnp.arange(local_length)
-  context = _ACTIVE.get().sizes["context"]
+  context = current_layout().sizes["context"]
   order = jnp.asarray(context_order(local_length * context, context).reshape(context, -1))
   return order[jax.lax.axis_index("context")]
 
@@ -296,7 +294,7 @@ def row_index(local_length: int) -> jax.Array:
 
 
 def context_size() -> int:
-  layout = _ACTIVE.get()
+  layout = current_layout()
   return 1 if layout is None else layout.sizes.get("context", 1)
 
 
@@ -318,7 +316,7 @@ def gather_context(x: jax.Array, axis: int = 1) -> jax.Array:
 def gather(w: jax.Array, axes) -> jax.Array:
   """The whole of each fsdp-sharded dim of weight `w` (over `fsdp`, and `expert` where the
   weight has no experts dim); tensor-split dims and an expert weight's experts stay local."""
-  layout = _ACTIVE.get()
+  layout = current_layout()
   if layout is None or w.ndim == 1:
     return w
   for dim, (name, split) in enumerate(zip(axes, layout.dim_axes(axes), strict=True)):
@@ -329,14 +327,14 @@ def gather(w: jax.Array, axes) -> jax.Array:
 
 def reduce(y: jax.Array, in_axis: str | None) -> jax.Array:
   """Sums a projection's partial outputs when its input dim is split over `tensor`."""
-  layout = _ACTIVE.get()
+  layout = current_layout()
   if layout is None or layout.axis_of(in_axis) != "tensor":
     return y
   return jax.lax.psum(y, "tensor")
 
 
 def tensor_split(name: str | None) -> bool:
-  layout = _ACTIVE.get()
+  layout = current_layout()
   return layout is not None and layout.axis_of(name) == "tensor"
 
 
@@ -356,7 +354,7 @@ def local_heads(x_BN___: jax.Array, axis: int = 1) -> jax.Array:
   """This device's slice of a per-head array computed for all heads (e.g. ALiBi's bias)."""
   if not tensor_split("NH"):
     return x_BN___
-  n_local = x_BN___.shape[axis] // _ACTIVE.get().sizes["tensor"]
+  n_local = x_BN___.shape[axis] // current_layout().sizes["tensor"]
   return jax.lax.dynamic_slice_in_dim(x_BN___, tensor_index() * n_local, n_local, axis=axis)
 
 

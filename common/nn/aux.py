@@ -1,7 +1,8 @@
 """The auxiliary-loss channel: a layer adds named losses, the trainer adds them to the task loss.
 
 A layer calls `add("moe_load_balance", value, weight=cfg.aux_coef)` in its forward pass; nothing
-happens unless someone is collecting (`collect()`), so evaluation and decoding pay nothing. The
+happens unless someone is collecting (`collect()`, the step context's `aux` sink), so evaluation
+and decoding pay nothing. The
 trainer collects around the loss, adds `weight * mean` of each name (the mean over the layers
 that added it) to the loss it differentiates, and logs each mean by name in metrics.jsonl. A
 weight of 0 logs a number without training on it (an expert load, say).
@@ -12,11 +13,12 @@ what it got as an output of the body, and adds it outside with `add_collected`.
 """
 
 import contextlib
-import contextvars
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from nnx_zoo.common import step_context
 
 
 @dataclasses.dataclass
@@ -28,15 +30,10 @@ class Entry:
   weight: float
 
 
-_COLLECTOR: contextvars.ContextVar[dict[str, Entry] | None] = contextvars.ContextVar(
-  "aux_collector", default=None
-)
-
-
 def add(name: str, value: jax.Array, *, weight: float = 1.0, count=1):
   """Adds a scalar auxiliary loss under `name` (a no-op when nobody collects). `weight` is a
   Python float from the layer's config; the same name always carries the same weight."""
-  entries = _COLLECTOR.get()
+  entries = step_context.current().aux
   if entries is None:
     return
   value = jnp.asarray(value, jnp.float32)
@@ -54,15 +51,12 @@ def add(name: str, value: jax.Array, *, weight: float = 1.0, count=1):
 def collect():
   """Within it, `add` records into the dict it yields (name -> Entry)."""
   entries: dict[str, Entry] = {}
-  token = _COLLECTOR.set(entries)
-  try:
+  with step_context.entered(aux=entries):
     yield entries
-  finally:
-    _COLLECTOR.reset(token)
 
 
 def collecting() -> bool:
-  return _COLLECTOR.get() is not None
+  return step_context.current().aux is not None
 
 
 def as_arrays(entries: dict[str, Entry]) -> dict[str, tuple[jax.Array, jax.Array]]:

@@ -3,12 +3,9 @@ and scanning over the layers.
 
 (Gradient accumulation lives in the trainer, `train.micro_batches`, which a scan with
 remat="full" joins by adding each micro-batch's gradients in its own backward loop:
-`accumulating`; bf16 compute with fp32 master weights is `model.dtype` vs `model.param_dtype`.)
+common/nn/accumulate.py; bf16 compute with fp32 master weights is `model.dtype` vs
+`model.param_dtype`.)
 """
-
-import contextlib
-import contextvars
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +13,7 @@ from flax import nnx
 
 from nnx_zoo.common import parallel
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import aux, noise
+from nnx_zoo.common.nn import accumulate, aux, noise
 
 # none: keep every activation; full: keep only each block's input and recompute the rest;
 # save_dots: keep the matmul outputs (cheap to store, dear to recompute), recompute the rest.
@@ -371,9 +368,9 @@ def _scan_blocks(stacked, x, *, remat: str, layer_kwargs, stream: int | None, nu
     return x
 
   body, weights = _collecting_call(body)
-  sums = _accumulation(states) if remat == "full" else None
-  if sums is not None:
-    x, added = _scan_accumulating(body, x, states, sums)
+  sums = accumulate.sums_of(states) if remat == "full" else None
+  if sums is not None:  # the layers add their gradients into the running sums themselves
+    x, added = accumulate.scan(body, x, states, sums)
   else:
     if remat != "none":
       # The scan body is the rematerialised unit, as each block is without scan. No CSE barrier
@@ -383,123 +380,3 @@ def _scan_blocks(stacked, x, *, remat: str, layer_kwargs, stream: int | None, nu
     x, added = jax.lax.scan(lambda x, xs: body(x, *xs), x, (reps, states))
   aux.add_collected(added, weights)  # summed over the repetitions
   return x
-
-
-# ---------------------------------------------------------------------------------------------
-# Gradient accumulation inside the layers' backward loop.
-#
-# With micro-batches (`train.micro_batches`), each slice's gradients are added to the ones of the
-# slices before. Differentiated as usual, the scanned layers' gradients of a slice fill a fresh
-# [L, ...] buffer, added to the running sum after the backward pass: two stacked fp32 gradient
-# buffers live at once. Under `accumulating`, a scan with remat="full" whose stacked parameters
-# all have a running sum (or are frozen) instead runs its own backward loop
-# (`_scan_accumulating`): each layer's input is kept, its forward recomputed and differentiated
-# as the rematerialised scan does, and its parameters' gradients added into the running sum at
-# that layer, in place. The cotangent it returns for those parameters is then already the
-# running sum plus this slice's gradients (the trainer does not add them again: `fused`).
-
-_ACCUMULATE = contextvars.ContextVar("accumulate", default=None)
-
-
-@contextlib.contextmanager
-def accumulating(params, sums, frozen=None):
-  """Within: scanned layers add the gradients of their parameters (leaves of `params`, traced by
-  jax.grad) into `sums` (the running sums, the same tree) in their backward loop. Yields the
-  set of indices (in jax.tree.leaves(params)) of the leaves that were: their cotangents include
-  `sums`; the others' do not. `frozen`: the parameters the model also uses, not
-  differentiated."""
-  leaves = jax.tree.leaves(params)
-  table = {id(p): a for p, a in zip(leaves, jax.tree.leaves(sums), strict=True)}
-  frozen_ids = {id(f) for f in jax.tree.leaves(frozen)} if frozen is not None else set()
-  consumed: set[int] = set()
-  token = _ACCUMULATE.set((table, frozen_ids, consumed))
-  fused: set[int] = set()
-  try:
-    yield fused
-  finally:
-    _ACCUMULATE.reset(token)
-    fused.update(i for i, p in enumerate(leaves) if id(p) in consumed)
-
-
-def _accumulation(states):
-  """The running sum of each stacked leaf of `states` (None: a frozen one), when every one is
-  either a parameter being accumulated or a frozen one; None otherwise (the plain scan)."""
-  active = _ACCUMULATE.get()
-  if active is None:
-    return None
-  table, frozen_ids, consumed = active
-  leaves = jax.tree.leaves(states)
-  if not all(id(v) in table or id(v) in frozen_ids for v in leaves):
-    return None
-  consumed.update(id(v) for v in leaves if id(v) in table)
-  return [table.get(id(v)) for v in leaves]
-
-
-def _scan_accumulating(body, x, states, sums):
-  """jax.lax.scan over (r, states[r]) of body(x, r, states[r]), differentiated by `_fused_scan`
-  (see above); `sums`: each stacked leaf's running sum, None for a frozen one."""
-  leaves, treedef = jax.tree.flatten(states)
-  one = [leaf[0] for leaf in leaves]  # a layer's slice, to trace the body with
-
-  def call(x, r, layer_leaves):
-    return body(x, r, jax.tree.unflatten(treedef, layer_leaves))
-
-  call, consts = jax.closure_convert(call, x, jnp.int32(0), one)
-  # What the body reads besides its input and its layer (positions, segment ids, a
-  # cross-attention's source, the step's noise key): differentiated when inexact, passed
-  # through otherwise.
-  inexact = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
-  diff = [c for c, d in zip(consts, inexact, strict=True) if d]
-  rest = [c for c, d in zip(consts, inexact, strict=True) if not d]
-
-  def fn(diff, rest, x, r, layer_leaves):
-    it_d, it_r = iter(diff), iter(rest)
-    return call(x, r, layer_leaves, *[next(it_d) if d else next(it_r) for d in inexact])
-
-  frozen = tuple(s is None for s in sums)
-  trained = [s for s in sums if s is not None]
-  return _fused_scan(fn, frozen, x, leaves, trained, diff, rest)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused_scan(fn, frozen, x, leaves, sums, diff, rest):
-  return _fused_scan_fwd(fn, frozen, x, leaves, sums, diff, rest)[0]  # the residuals unused
-
-
-def _fused_scan_fwd(fn, frozen, x, leaves, sums, diff, rest):
-  def step(x, xs):
-    y, added = fn(diff, rest, x, *xs)
-    return y, (added, x)
-
-  y, (added, inputs) = jax.lax.scan(step, x, (jnp.arange(leaves[0].shape[0]), leaves))
-  return (y, added), (inputs, leaves, sums, diff, rest)
-
-
-def _fused_scan_bwd(fn, frozen, res, cts):
-  inputs, leaves, sums, diff, rest = res
-  ct_y, ct_added = cts
-  num = inputs.shape[0]
-
-  def back(carry, step):
-    ct_x, sums, ct_diff = carry
-    i, x, ct_add = step
-    layer = [jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False) for leaf in leaves]
-    _, vjp = jax.vjp(lambda d, x, layer: fn(d, rest, x, i, layer), diff, x, layer)
-    g_diff, ct_x, g_layer = vjp((ct_x, ct_add))
-    g_trained = [g for g, f in zip(g_layer, frozen, strict=True) if not f]
-    sums = [
-      jax.lax.dynamic_update_index_in_dim(s, jax.lax.dynamic_index_in_dim(s, i) + g[None], i, 0)
-      for s, g in zip(sums, g_trained, strict=True)
-    ]
-    ct_diff = [c + g for c, g in zip(ct_diff, g_diff, strict=True)]
-    return (ct_x, sums, ct_diff), None
-
-  steps = (jnp.arange(num), inputs, ct_added)
-  carry = (ct_y, list(sums), [parallel.zeros_like(d) for d in diff])
-  ct_x, sums, ct_diff = jax.lax.scan(back, carry, steps, reverse=True)[0]
-  it = iter(sums)
-  ct_leaves = [None if f else next(it) for f in frozen]
-  return ct_x, ct_leaves, [None] * len(sums), ct_diff, [None] * len(rest)
-
-
-_fused_scan.defvjp(_fused_scan_fwd, _fused_scan_bwd)

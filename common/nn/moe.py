@@ -129,7 +129,7 @@ def config(
 
 def psum_batch(x: jax.Array) -> jax.Array:
   """The sum over the batch shards inside a sharded step (the global sum); x outside one."""
-  if parallel._ACTIVE.get() is None:
+  if parallel.current_layout() is None:
     return x
   return parallel.token_sum(x)
 
@@ -146,7 +146,7 @@ def route(logits_NE: jax.Array, *, top_k: int, norm_topk_prob: bool):
 
 def expert_shards() -> int:
   """X: how many devices the experts are split over (1 outside a sharded step)."""
-  layout = parallel._ACTIVE.get()
+  layout = parallel.current_layout()
   if layout is None or layout.axis_of("E") != "expert":
     return 1
   return layout.sizes["expert"]

@@ -5,7 +5,8 @@ a whole row: a block computes x + keep_B / (1 - p) * f(x), keep_B ~ Bernoulli(1 
 with p rising linearly over the stack, from 0 at its first layer to `model.drop_path` at its last
 (timm's `linspace(0, drop_path_rate, depth)`).
 
-The trainer draws around the loss it differentiates (`drawing(key, rows_B)`); evaluation,
+The trainer draws around the loss it differentiates (`drawing(key, rows_B)`, the step context's
+`draws`); evaluation,
 decoding and export call the model outside it and see no noise. Each draw is a function of the
 step's key, the stack (an encoder-decoder has two), the layer, the draw's place in the layer
 and the row's index in the step's global batch, and of nothing about where the row is computed:
@@ -18,11 +19,12 @@ inside `layer(stack, i, num_layers)`; `i` may be traced (a scan's repetition). A
 """
 
 import contextlib
-import contextvars
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from nnx_zoo.common import step_context
 
 
 @dataclasses.dataclass
@@ -35,23 +37,17 @@ class _Draws:
   count: int = 0  # ... and the draws made in it so far
 
 
-_DRAWS: contextvars.ContextVar[_Draws | None] = contextvars.ContextVar("noise", default=None)
-
-
 @contextlib.contextmanager
 def drawing(key_data: jax.Array, rows_B: jax.Array):
   """Within it, the layers draw their noise from `key_data` (raw key data, this step's) for the
   rows whose global indices are `rows_B`."""
-  token = _DRAWS.set(_Draws(jnp.asarray(key_data), jnp.asarray(rows_B, jnp.int32)))
-  try:
+  with step_context.entered(draws=_Draws(jnp.asarray(key_data), jnp.asarray(rows_B, jnp.int32))):
     yield
-  finally:
-    _DRAWS.reset(token)
 
 
 def stack() -> int | None:
   """A new stream of draws for one stack of layers (None when nobody draws)."""
-  draws = _DRAWS.get()
+  draws = step_context.current().draws
   if draws is None:
     return None
   draws.stacks += 1
@@ -61,7 +57,7 @@ def stack() -> int | None:
 @contextlib.contextmanager
 def layer(stack_id: int | None, i, num_layers: int):
   """Runs layer `i` (an int, or traced in a scan) of `num_layers` of stream `stack_id`."""
-  draws = _DRAWS.get()
+  draws = step_context.current().draws
   if draws is None or stack_id is None:
     yield
     return
@@ -81,7 +77,7 @@ def _key(data: jax.Array) -> jax.Array:
 def drop_path(h_BTD: jax.Array, rate: float) -> jax.Array:
   """h_BTD with each row kept with probability 1 - p (and scaled by 1 / (1 - p)) or zeroed,
   p = rate * the layer's depth; h_BTD itself outside a training step or at rate 0."""
-  draws = _DRAWS.get()
+  draws = step_context.current().draws
   if not rate or draws is None or draws.layer_key is None:
     return h_BTD
   if not 0.0 <= rate < 1.0:

@@ -20,7 +20,7 @@ from flax import nnx
 from nnx_zoo.common import config as config_lib
 from nnx_zoo.common import models, parallel, tasks
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import aux, lora, memory, noise
+from nnx_zoo.common.nn import accumulate, aux, lora, noise
 from nnx_zoo.common.train import faults
 
 
@@ -73,13 +73,9 @@ def sums_and_grads(
   `noise_key` (raw key data): the step's training noise (stochastic depth, common/nn/noise.py),
   drawn for the rows whose indices in the step's global batch are `rows` (those of `batch`)."""
   frozen = () if frozen is None else (frozen,)
-  if noise_key is not None:  # the rows' indices travel with the batch: a micro-batch gets its own
-    batch = {"batch": batch, "rows": rows}
 
-  def objective(params, batch):
-    drawing = contextlib.nullcontext()
-    if noise_key is not None:
-      batch, drawing = batch["batch"], noise.drawing(noise_key, batch["rows"])
+  def objective(params, batch, rows):
+    drawing = contextlib.nullcontext() if noise_key is None else noise.drawing(noise_key, rows)
     with aux.collect() as entries, drawing:
       total, count = task.loss_sums(
         nnx.merge(graphdef, params, *frozen), batch, loss_chunk=loss_chunk
@@ -90,20 +86,21 @@ def sums_and_grads(
     return objective, {"total": total, "count": count, "aux": aux.means(entries)}
 
   if micro_batches == 1:
-    grads, sums = jax.grad(objective, has_aux=True)(params, batch)
+    grads, sums = jax.grad(objective, has_aux=True)(params, batch, rows)
     return sums, grads
-  micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
+  # Each slice takes its rows of the batch and (drawing noise) those rows' global indices.
+  micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), (batch, rows))
 
-  def add(acc, one_batch):
+  def add(acc, one_slice):
     fused = set()  # the leaves whose gradients the layers' backward loop added into `acc`
 
-    def accumulating(params, batch):
-      with memory.accumulating(params, acc, *frozen) as added:
-        out = objective(params, batch)
+    def accumulating(params, batch, rows):
+      with accumulate.accumulating(params, acc, *frozen) as added:
+        out = objective(params, batch, rows)
       fused.update(added)
       return out
 
-    grads, sums = jax.grad(accumulating, has_aux=True)(params, one_batch)
+    grads, sums = jax.grad(accumulating, has_aux=True)(params, *one_slice)
     leaves, treedef = jax.tree.flatten(grads)
     acc = jax.tree.leaves(acc)
     leaves = [g if i in fused else a + g for i, (g, a) in enumerate(zip(leaves, acc, strict=True))]
@@ -114,7 +111,7 @@ def sums_and_grads(
   # output. Starting from the first slice's gradients instead, computed before the loop, planned
   # 0.64 GiB more temporaries for Qwen3-30B's 48 layers on v5e-64 (`bench/scan_growth.py`).
   # Scanned layers rematerialised in full add theirs in their own backward loop, in place
-  # (`memory.accumulating`).
+  # (`accumulate.accumulating`).
   grads, sums = jax.lax.scan(add, jax.tree.map(parallel.zeros_like, params), micro)
   sums = {
     "total": jnp.sum(sums["total"]),

@@ -11,7 +11,7 @@ from flax import nnx
 
 from nnx_zoo.common import models, sampling, tasks
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import lora, memory
+from nnx_zoo.common.nn import accumulate, lora, memory
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.bert import model as bert
 from nnx_zoo.zoo.gemma import model as gemma
@@ -290,11 +290,11 @@ def test_a_scanned_step_copies_no_stacked_parameters():
 
 def test_scanned_layers_add_each_micro_batch_into_the_sums_in_their_backward_loop(monkeypatch):
   """Scanned and rematerialised in full, with micro-batches: each slice's layer gradients are
-  added into the running sums inside the layers' own backward loop (memory.accumulating, a
+  added into the running sums inside the layers' own backward loop (accumulate.accumulating, a
   custom VJP), and the sums and gradients are still one batch's, unscanned."""
   fused = []
-  scan = memory._scan_accumulating
-  monkeypatch.setattr(memory, "_scan_accumulating", lambda *a: fused.append(1) or scan(*a))
+  scan = accumulate.scan
+  monkeypatch.setattr(accumulate, "scan", lambda *a: fused.append(1) or scan(*a))
   base = llama.config("tiny", num_layers=3)
   cfg = with_scan(base, remat="full")
   (got, (graphdef, params)) = sums(cfg, micro_batches=4)
@@ -313,8 +313,8 @@ def test_an_encoder_decoder_accumulates_in_both_stacks_and_through_the_cross_att
   gradient of the encoder's states it reads (what its body closes over), and the encoder's
   loop accumulates too."""
   fused = []
-  scan = memory._scan_accumulating
-  monkeypatch.setattr(memory, "_scan_accumulating", lambda *a: fused.append(1) or scan(*a))
+  scan = accumulate.scan
+  monkeypatch.setattr(accumulate, "scan", lambda *a: fused.append(1) or scan(*a))
   pairs = source_target_pairs()
 
   def run(cfg, micro):

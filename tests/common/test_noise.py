@@ -91,7 +91,7 @@ def draws(cfg, micro_batches=1, data=None, task=TASK):
 
 def test_the_draws_do_not_depend_on_how_the_step_is_computed():
   """One batch unscanned against micro-batches, the layers scanned, and scanned rematerialised
-  in full with micro-batches (the layers' own backward loop, memory._fused_scan): the same
+  in full with micro-batches (the layers' own backward loop, accumulate._fused_scan): the same
   rows dropped, so the same sums and gradients. And they are drawn: not the noiseless ones."""
   base = dropping(llama.config("tiny", num_layers=3))
   want = draws(base)

@@ -110,7 +110,7 @@ def main(exp: str):
   grads = memory.unstack_layers(grads)
   out["(2, 2, 2) scan"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
   # Rematerialised in full, with micro-batches: the layers add each slice's gradients into the
-  # running sums in their own backward loop (memory.accumulating), under shard_map.
+  # running sums in their own backward loop (accumulate.accumulating), under shard_map.
   full = scanned.copy_and_resolve_references()
   full.remat = "full"
   full_graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(full)))
