@@ -132,16 +132,23 @@ def _split_documents(path: str, rule: dict, text_field: str):
 
 
 class _ShardWriter:
-  """One split's tokens and document ends, appended to temporary files and renamed when whole."""
+  """One split's tokens and document ends (and, `weighted`, each token's loss weight as a target:
+  0 or 1, uint8; chat data's masks), appended to temporary files and renamed when whole."""
 
-  def __init__(self, out: str, key: str, split: str, dtype: np.dtype):
-    self.paths = {kind: os.path.join(out, f"{key}.{split}.{kind}") for kind in ("tokens", "ends")}
+  def __init__(self, out: str, key: str, split: str, dtype: np.dtype, *, weighted: bool = False):
+    kinds = ("tokens", "ends", "weights") if weighted else ("tokens", "ends")
+    self.paths = {kind: os.path.join(out, f"{key}.{split}.{kind}") for kind in kinds}
     # Open across add() calls; close() renames them into place, abort() removes them.
     self.files = {k: open(p + ".tmp", "wb") for k, p in self.paths.items()}  # noqa: SIM115
     self.dtype, self.documents, self.tokens = dtype, 0, 0
 
-  def add(self, ids: np.ndarray, lengths: np.ndarray):
-    """Documents given as their ids back to back and the count of each."""
+  def add(self, ids: np.ndarray, lengths: np.ndarray, weights: np.ndarray | None = None):
+    """Documents given as their ids back to back and the count of each (and, for a weighted
+    writer, a loss weight for each id)."""
+    if ("weights" in self.files) != (weights is not None):
+      raise ValueError("A weighted shard takes a weight for every token, an unweighted none.")
+    if weights is not None:
+      weights.astype(np.uint8).tofile(self.files["weights"])
     lengths = lengths[lengths > 0]  # an empty document packs to nothing
     if not len(lengths):
       return

@@ -35,7 +35,7 @@ class Split:
     self.manifest = prepare.read_manifest(path)
     dtype = np.dtype(self.manifest["dtype"])
     shards = os.path.join(path, "shards")
-    missing, self.tokens, self.ends = [], [], []
+    missing, self.tokens, self.ends, self.weights = [], [], [], []
     for source in self.manifest["sources"]:
       entry_path = os.path.join(shards, f"{source['key']}.json")
       if not os.path.exists(entry_path):
@@ -48,6 +48,10 @@ class Split:
         tokens, ends = (os.path.join(shards, counts[f"{k}_file"]) for k in ("tokens", "ends"))
         self.tokens.append(_memmap(tokens, dtype, counts["tokens"]))
         self.ends.append(_memmap(ends, np.int64, counts["documents"]))
+        weights = counts.get("weights_file")  # chat data: a loss weight for every token
+        self.weights.append(
+          weights and _memmap(os.path.join(shards, weights), np.uint8, counts["tokens"])
+        )
     if missing:
       raise UserError(
         f"{path} is half-written: {len(missing)} of its {len(self.manifest['sources'])} sources "
@@ -59,13 +63,16 @@ class Split:
     doc_counts = np.array([len(e) for e in self.ends], np.int64)
     self.first_doc = np.concatenate([[0], np.cumsum(doc_counts)])  # each shard's first document
     self.num_tokens, self.num_documents = int(self.starts[-1]), int(self.first_doc[-1])
+    self.weighted = any(w is not None for w in self.weights)
 
-  def window(self, starts_R: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens [R, length] from each of the stream positions `starts_R`, and the index of the
-    document each lies in (-1 past the end, where the token is 0)."""
+  def window(self, starts_R: np.ndarray, length: int) -> tuple[np.ndarray, ...]:
+    """Tokens [R, length] from each of the stream positions `starts_R`, the index of the
+    document each lies in (-1 past the end, where the token is 0), and their loss weights (1
+    where a source has none, 0 past the end)."""
     pos = (starts_R[:, None] + np.arange(length)).ravel()
     tokens = np.zeros(pos.shape, np.int32)
     docs = np.full(pos.shape, -1, np.int64)
+    weights = np.zeros(pos.shape, np.float32)
     shard = np.searchsorted(self.starts, pos, side="right") - 1
     for s in np.unique(shard):
       if s >= len(self.tokens):  # past the last token
@@ -74,7 +81,8 @@ class Split:
       local = pos[here] - self.starts[s]
       tokens[here] = self.tokens[s][local]
       docs[here] = self.first_doc[s] + np.searchsorted(self.ends[s], local, side="right")
-    return tokens.reshape(-1, length), docs.reshape(-1, length)
+      weights[here] = 1.0 if self.weights[s] is None else self.weights[s][local]
+    return (*(x.reshape(-1, length) for x in (tokens, docs, weights)),)
 
 
 def _memmap(path: str, dtype, count: int) -> np.ndarray:
@@ -101,11 +109,15 @@ class PackedRows:
     return self.num_rows
 
   def read(self, rows_R: np.ndarray) -> dict:
-    """The rows of the indices `rows_R` as a batch {"tokens", "segment_ids"} [R, row_len]."""
+    """The rows of the indices `rows_R` as a batch {"tokens", "segment_ids"} [R, row_len], and
+    where the data has loss weights (chat), "loss_weights": each token's as a target."""
     rows_R = np.asarray(rows_R, np.int64)
-    tokens, docs = self.split.window(rows_R * self.row_len, self.row_len)
+    tokens, docs, weights = self.split.window(rows_R * self.row_len, self.row_len)
     segments = np.where(docs >= 0, docs - docs[:, :1] + 1, 0).astype(np.int32)
-    return {"tokens": tokens, "segment_ids": segments}
+    batch = {"tokens": tokens, "segment_ids": segments}
+    if self.split.weighted:
+      batch["loss_weights"] = weights
+    return batch
 
   def __getitem__(self, r):
     return {k: v[0] for k, v in self.read(np.array([r])).items()}
@@ -255,8 +267,8 @@ def eval_batches(eval_rows, *, batch_size: int, max_batches: int = 0, share=None
     index = np.arange(start, start + batch_size)[share]
     batch = eval_rows.read(np.minimum(index, len(eval_rows) - 1))
     past = index >= len(eval_rows)  # padding rows: nothing counts
-    batch["segment_ids"][past] = 0
-    batch["tokens"][past] = 0
+    for k in batch:
+      batch[k][past] = 0
     yield batch
 
 

@@ -137,20 +137,23 @@ def decoder_sums(
 
 
 def next_token_rows(batch: dict) -> dict:
-  """A language model's view of packed rows {"tokens", "segment_ids"} [B, T + 1]: `inputs`,
-  `targets` (the next tokens), `segment_ids` and `positions` (each input's index in its own
-  document) and `weights` [B, T]. A target counts only when it continues the segment of its
-  input (no predicting across a document boundary) and is not padding. Computed from whole
-  rows, so that they can then be split over `mesh.context` (NumPy in, NumPy out: the host makes
-  them for `step.put_batch`)."""
+  """A language model's view of packed rows {"tokens", "segment_ids"} [B, T + 1] (and, where the
+  data weighs its tokens, "loss_weights"): `inputs`, `targets` (the next tokens), `segment_ids`
+  and `positions` (each input's index in its own document) and `weights` [B, T]. A target counts
+  only when it continues the segment of its input (no predicting across a document boundary),
+  is not padding, and by its own loss weight. Computed from whole rows, so that they can then be
+  split over `mesh.context` (NumPy in, NumPy out: the host makes them for `step.put_batch`)."""
   tokens, segments = batch["tokens"], batch["segment_ids"]
   in_seg_BT = segments[:, :-1]
+  weights_BT = ((segments[:, 1:] == in_seg_BT) & (in_seg_BT != 0)).astype(np.float32)
+  if "loss_weights" in batch:  # each token's own weight as a target (chat: the assistant's)
+    weights_BT = weights_BT * batch["loss_weights"][:, 1:]
   return {
     "inputs": tokens[:, :-1],
     "targets": tokens[:, 1:],
     "segment_ids": in_seg_BT,
     "positions": position.positions_from_segments(in_seg_BT),
-    "weights": ((segments[:, 1:] == in_seg_BT) & (in_seg_BT != 0)).astype(np.float32),
+    "weights": weights_BT,
   }
 
 

@@ -242,9 +242,9 @@ def test_each_process_reads_only_the_rows_of_its_share(tmp_path, monkeypatch):
   real = prepared.Split.window
 
   def counting(self, starts, length):
-    tokens, docs = real(self, starts, length)
+    tokens, docs, weights = real(self, starts, length)
     read[reader].update(docs.ravel().tolist())
-    return tokens, docs
+    return tokens, docs, weights
 
   monkeypatch.setattr(prepared.Split, "window", counting)
   for reader, share in ((0, slice(0, 4)), (1, slice(4, 8)), ("all", None)):
@@ -379,3 +379,39 @@ def test_hosts_prepare_their_shares_into_one_directory(tmp_path):
     prepared.PackedRows(a, 8, pad_last=False).read(rows),
     prepared.PackedRows(b, 8, pad_last=False).read(rows),
   )
+
+
+def test_loss_weights_travel_with_their_tokens_through_packing(tmp_path):
+  """A weighted prepared corpus (what chat data writes: 1 on the tokens that carry loss): the
+  rows carry each token's weight wherever packing puts it, a document split over two rows
+  included, and the next-token weights are the segment rule times them."""
+  out = str(tmp_path / "weighted")
+  shards = os.path.join(out, "shards")
+  os.makedirs(shards)
+  ids = np.arange(1, 31, dtype=np.int64)  # three documents of 10 tokens
+  weights = (ids % 3 == 0).astype(np.uint8)  # a pattern that no row boundary lines up with
+  writer = prepare._ShardWriter(shards, "w", "train", np.dtype(np.uint8), weighted=True)
+  writer.add(ids, np.array([10, 10, 10]), weights)
+  entry = {"source": {}, "rule": {}, "text_field": "text", "splits": {"train": writer.close()}}
+  with open(os.path.join(shards, "w.json"), "w") as f:
+    json.dump(entry, f)
+  manifest = {
+    "format": prepare.FORMAT,
+    "tokenizer": {},
+    "dtype": "uint8",
+    "sources": [{"key": "w", "path": "w"}],
+  }
+  with open(os.path.join(out, prepare.MANIFEST), "w") as f:
+    json.dump(manifest, f)
+  rows = prepared.PackedRows(prepared.Split(out, "train"), 7, pad_last=True)
+  batch = rows.read(np.arange(len(rows)))
+  flat = batch["tokens"].ravel()[:30]
+  np.testing.assert_array_equal(flat, ids)
+  np.testing.assert_array_equal(batch["loss_weights"].ravel()[:30], weights)
+  assert not batch["loss_weights"].ravel()[30:].any()  # padding carries no loss
+  rows_next = losses.next_token_rows(batch)
+  plain = losses.next_token_rows({k: batch[k] for k in ("tokens", "segment_ids")})
+  np.testing.assert_array_equal(
+    rows_next["weights"], plain["weights"] * batch["loss_weights"][:, 1:]
+  )
+  assert 0 < rows_next["weights"].sum() < plain["weights"].sum()
