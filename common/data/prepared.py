@@ -245,10 +245,15 @@ def _read_share(batch, *, parts: list[PackedRows], share: slice) -> dict:
   component_R, rows_R = (np.asarray(x)[share] for x in batch)
   if len(parts) == 1:
     return parts[0].read(rows_R)
+  # Every batch has the same keys: where some component weighs its tokens (chat beside plain
+  # text), the others' tokens weigh 1.
+  weighted = any(p.split.weighted for p in parts)
   out = None
   for c in np.unique(component_R):
     here = component_R == c
     part = parts[c].read(rows_R[here])
+    if weighted and "loss_weights" not in part:
+      part["loss_weights"] = (part["segment_ids"] != 0).astype(np.float32)
     if out is None:
       out = {k: np.zeros((len(rows_R), *v.shape[1:]), v.dtype) for k, v in part.items()}
     for k, v in part.items():
