@@ -1,5 +1,5 @@
 """The repository's top-level folders, installed under one import root: `nnx_zoo.common`,
-`nnx_zoo.zoo`, `nnx_zoo.experiments`, `nnx_zoo.kernels` (DESIGN.md, "Import root").
+`nnx_zoo.zoo`, `nnx_zoo.experiments`, `nnx_zoo.kernels` (docs/DESIGN.md, "Import root").
 
 The folders stay where the layout puts them; setuptools maps each to its name under the root.
 Every subpackage is found by discovery (a hand-written list silently drops a new one from the

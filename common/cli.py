@@ -1,5 +1,5 @@
-"""The `zoo` command: list, show, plan, run, eval, generate, data, convert, export. See DESIGN.md
-for the contract."""
+"""The `zoo` command: list, show, plan, run, eval, generate, data, convert, export. See
+docs/DESIGN.md for the contract."""
 
 import argparse
 import json

@@ -13,7 +13,7 @@ from nnx_zoo.common.errors import UserError, suggest
 from nnx_zoo.common.train import settings
 from nnx_zoo.experiments import REGISTRY
 
-# Keys every experiment has, so an override means the same thing everywhere (DESIGN.md).
+# Keys every experiment has, so an override means the same thing everywhere (docs/DESIGN.md).
 COMMON_KEYS = (
   "seed",
   "train.steps",
@@ -71,7 +71,7 @@ def get_config(
   settings.complete(cfg)  # every trainer key, whatever the file sets
   missing = [k for k in COMMON_KEYS if k not in config_lib.flatten(cfg)]
   if missing:
-    raise UserError(f"Experiment {name} lacks the common keys {missing} (see DESIGN.md).")
+    raise UserError(f"Experiment {name} lacks the common keys {missing} (see docs/DESIGN.md).")
   cfg.mesh_rule = ""
   if hardware is not None:
     rule = mesh.pick_rule(cfg.get("mesh_rules", []), hardware)

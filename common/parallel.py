@@ -1,7 +1,7 @@
 """Data, FSDP, expert, context and tensor parallelism under `jax.shard_map`, as seen by the
 shared layers.
 
-Every parameter carries logical axis names (`axes=("D", "F")`, the legend in DESIGN.md). RULES
+Every parameter carries logical axis names (`axes=("D", "F")`, the legend in docs/DESIGN.md). RULES
 map them to mesh axes: by default a model dim D is stored sharded over `fsdp`, and heads, MLP
 features and vocab (NH, KH, F, V) are split over `tensor`. Inside the sharded train step the
 shared layers call the three functions below, which are no-ops outside it, so a family's model

@@ -1,4 +1,4 @@
-"""The `zoo` command line (DESIGN.md's contract): list, show, run, eval, generate, and user
+"""The `zoo` command line (docs/DESIGN.md's contract): list, show, run, eval, generate, and user
 errors as one clean line on stderr with exit code 2."""
 
 import json
@@ -85,7 +85,8 @@ def test_show(capsys):
 
 def test_show_resolves_attention_auto_for_the_hardware(capsys):
   """`zoo show` prints what attention.impl="auto" runs on the hardware of the mesh rule (the
-  platform the step compiles for), as the layer resolves it (common/nn/attention.resolve_auto)."""
+  platform the step compiles for), as the layer resolves it
+  (common/nn/attention_impl.resolve_auto)."""
   shown = {}
   # The smoke form has no mesh rules (the TPU rules set impl=flash themselves) and fp32 compute.
   overrides = ("--config.model.dtype=bfloat16", "--config.data.seq_len=64")
@@ -111,7 +112,7 @@ def test_show_with_overrides(capsys):
 
 
 def test_show_experiment_file(capsys, tmp_path):
-  """Copy-edit an experiment file, then show it by path (DESIGN.md, use 3)."""
+  """Copy-edit an experiment file, then show it by path (docs/DESIGN.md, use 3)."""
   src = (ROOT / "experiments" / "lm" / "shakespeare_char.py").read_text()
   default_steps = experiments.get_config("lm/shakespeare-char").train.steps
   assert f"steps={default_steps}," in src

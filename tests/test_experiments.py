@@ -1,5 +1,5 @@
 """The experiment catalogue: registration, docstrings, common keys, golden configs, smoke runs,
-and the modularity rule of DESIGN.md (one modifier reaches every experiment; no family has its
+and the modularity rule of docs/DESIGN.md (one modifier reaches every experiment; no family has its
 own attention, RoPE or norm)."""
 
 import ast
@@ -100,7 +100,7 @@ def test_common_keys(form):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_smoke_form_is_small(name):
-  """`EXP:smoke` runs on a CPU in seconds, even for an 8 B model (DESIGN.md)."""
+  """`EXP:smoke` runs on a CPU in seconds, even for an 8 B model (docs/DESIGN.md)."""
   cfg = experiments.get_config(f"{name}:smoke")
   assert cfg.train.steps <= 10
   assert cfg.train.batch_size * cfg.data.get("seq_len", 1) <= 1024  # image data: one an image
@@ -193,7 +193,7 @@ def test_modifier_list_is_complete():
 
 @pytest.mark.parametrize("name", sorted(MODIFIERS))
 def test_modifier_is_short(name):
-  """DESIGN.md: switching the position encoding of every experiment is at most 10 lines."""
+  """docs/DESIGN.md: switching the position encoding of every experiment is at most 10 lines."""
   fn = getattr(modifiers, name)
   tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(fn)))
   (func,) = tree.body
@@ -331,7 +331,7 @@ def test_zoo_defines_no_attention_rope_or_norm():
   found = [v for p in files for v in violations(str(p.relative_to(ROOT)), p.read_text())]
   assert not found, (
     "a family must compose the shared layers of common/nn/ (attention, positions, norms, MLPs, "
-    "the transformer stacks), not define its own (DESIGN.md, the one rule):\n  "
+    "the transformer stacks), not define its own (docs/DESIGN.md, the one rule):\n  "
     + "\n  ".join(found)
   )
 

@@ -1,4 +1,4 @@
-"""The zoo installs and imports under one root, `nnx_zoo` (DESIGN.md, "Import root").
+"""The zoo installs and imports under one root, `nnx_zoo` (docs/DESIGN.md, "Import root").
 
 setup.py maps the repository's folders (common/, zoo/, experiments/, kernels/) to
 `nnx_zoo.common`, ...; no plain folder name is the zoo's to import. So Hugging Face's `kernels`

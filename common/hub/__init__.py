@@ -1,7 +1,7 @@
 """Where weights come from and go to: zoo checkpoints (`checkpoint`), Hugging Face directories
 (`hf`, with the key-map vocabulary of `keymap`), and the entry points below.
 
-`nnx_zoo.common.hub.load(path)` is the Python entry point of DESIGN.md: the NNX model with its
+`nnx_zoo.common.hub.load(path)` is the Python entry point of docs/DESIGN.md: the NNX model with its
 weights, from a zoo checkpoint or a Hugging Face directory.
 """
 

@@ -3,7 +3,7 @@ back (`unpatchify`: a denoiser's per-patch outputs as an image); and its 1-D rel
 1-D convolutions over feature frames [B, T, C] (Whisper's log-mel front-end), `ConvStem`.
 
 A convolution with stride = kernel = patch is a linear map of each flattened patch, so it runs as
-the shared `Linear` (one 2-D matmul, see DESIGN.md for why not 3-D, let alone a convolution).
+the shared `Linear` (one 2-D matmul, see docs/DESIGN.md for why not 3-D, let alone a convolution).
 
 Kernel layout: [C * p * p, D], the rows in (channel, row, column) order of a patch. A torch /
 Hugging Face conv weight [D, C, p, p] is therefore `w.reshape(D, -1).T` (`kernel_from_conv`), and

@@ -1,4 +1,4 @@
-"""The run's metrics: metrics.jsonl (DESIGN.md's contract) and TensorBoard event files."""
+"""The run's metrics: metrics.jsonl (docs/DESIGN.md's contract) and TensorBoard event files."""
 
 import json
 import os
