@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_zoo.common.nn import attention
+from nnx_zoo.common.nn import attention_ref
 from nnx_zoo.kernels import flash_attention as fa
 
 B, N, K, H = 1, 8, 2, 64
@@ -31,10 +31,10 @@ B, N, K, H = 1, 8, 2, 64
 def xla_path(q, k, v, *, blocks: bool = True):
   T, S = q.shape[1], k.shape[1]
   ones_BT, ones_BS = jnp.ones((B, T), jnp.int32), jnp.ones((B, S), jnp.int32)
-  mask = attention.make_mask(jnp.arange(T), jnp.arange(S), ones_BT, ones_BS, causal=True)
+  mask = attention_ref.make_mask(jnp.arange(T), jnp.arange(S), ones_BT, ones_BS, causal=True)
   if not blocks:
-    return attention.attend(q, k, v, mask_BTS=mask)
-  return attention.attend_in_blocks(q, k, v, mask_BTS=mask, causal=True, window=0)
+    return attention_ref.attend(q, k, v, mask_BTS=mask)
+  return attention_ref.attend_in_blocks(q, k, v, mask_BTS=mask, causal=True, window=0)
 
 
 def cudnn_path(q, k, v):

@@ -8,6 +8,7 @@ import os
 import ml_collections
 
 from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import attention_impl
 
 # tensor last: the innermost axis gets the nearest devices (its collectives run every layer);
 # context next to it, for the same reason (its key/value gathers run every layer too).
@@ -179,13 +180,11 @@ def _activation_bytes_per_row(m, seq_len: int) -> int:
   MLP hidden in fp32, doubled for their gradients). Where "auto" attention runs the xla path on a
   Hopper GPU (a soft-cap: Gemma 2), that layer's [N, T, T] fp32 scores and probabilities too.
   An MoE layer's MLP is its routed k experts' (and its dispatch buffers, the same again)."""
-  from nnx_zoo.common.nn import attention  # the layers import this module's neighbours
-
   a, mlp = m.attention, m.mlp
   hidden = mlp.hidden_dim * (2 * mlp.top_k if mlp.get("kind") == "moe" else 1)
   hidden += mlp.get("shared_hidden_dim", 0)
   layer = seq_len * (2 * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + 4 * m.dim + 3 * hidden)
-  impl, _ = attention.resolve_auto(
+  impl, _ = attention_impl.resolve_auto(
     platform="gpu",
     dtype=m.get("dtype", "float32"),
     head_dim=a.head_dim,

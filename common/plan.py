@@ -218,7 +218,7 @@ def kernel_flops(cfg) -> tuple[float, str]:
   4 H for the forward's two matmuls, 14 H for its backward (the dK/dV and dQ kernels each
   recompute the scores: seven matmuls), 4 H more for the forward that `model.remat=full`
   recomputes. (0, "") for any other attention ("auto" is splash on a TPU)."""
-  from nnx_zoo.common.nn import attention, transformer
+  from nnx_zoo.common.nn import attention_impl, transformer
 
   m = cfg.model
   if "attention" not in m or "num_layers" not in m:
@@ -232,7 +232,7 @@ def kernel_flops(cfg) -> tuple[float, str]:
     bias = layer.position.kind in ("alibi", "relative")  # biases: xla
     impl = att.impl
     if impl == "auto":  # as the layer resolves it when traced for the slice
-      impl, _ = attention.resolve_auto(
+      impl, _ = attention_impl.resolve_auto(
         platform="tpu", dtype=m.get("dtype", "float32"), head_dim=att.head_dim, seq_len=T, bias=bias
       )
     if impl != "flash" or bias:

@@ -1,10 +1,10 @@
 """Flash attention (FlashAttention-2) in Pallas, forward and backward, and its pure-jnp reference.
 
 Causal or bidirectional, sliding window, segment ids (packed documents), GQA/MQA and logit soft-cap,
-with the masks of `nnx_zoo.common.nn.attention.make_mask` (query t and key s at positions t and s,
-both counted from 0). The softmax runs online over key blocks in fp32 and saves only the logsumexp
-per query; the backward recomputes the probabilities from it (FlashAttention-2: one kernel for dq,
-one for dk/dv), so no [T, S] array is ever stored. Key blocks that causality or
+with the masks of `nnx_zoo.common.nn.attention_ref.make_mask` (query t and key s at positions t
+and s, both counted from 0). The softmax runs online over key blocks in fp32 and saves only the
+logsumexp per query; the backward recomputes the probabilities from it (FlashAttention-2: one
+kernel for dq, one for dk/dv), so no [T, S] array is ever stored. Key blocks that causality or
 the window rule out entirely are never visited, in either direction.
 
 Layout: q/k/v stay [B, T, N, H] / [B, S, K, H] (no transpose); a query head n reads key/value
@@ -19,7 +19,7 @@ supported (see `flash_attention`). Its fp32 dots follow `jax_default_matmul_prec
 runs them as TF32 by default on a GPU, as IEEE fp32 under "highest".
 
 A query that sees no key at all (its segment absent from the keys, or a window past the end of
-S) outputs zeros, as does the reference below (`nnx_zoo.common.nn.attention.attend` gives the
+S) outputs zeros, as does the reference below (`nnx_zoo.common.nn.attention_ref.attend` gives the
 mean of v).
 """
 
@@ -374,7 +374,7 @@ def flash_attention(
   block_k: int = 128,
   interpret: bool | None = None,
 ) -> jax.Array:
-  """softmax(q k^T * scale) v, [B, T, N, H], masked as `nnx_zoo.common.nn.attention.make_mask`
+  """softmax(q k^T * scale) v, [B, T, N, H], masked as `nnx_zoo.common.nn.attention_ref.make_mask`
   (scale None: 1 / sqrt(H)).
 
   window=0: no sliding window; softcap=0: no soft-cap; segment ids: both or neither (segment 0

@@ -1,10 +1,10 @@
 """Flash attention on TPU: jax's own Pallas TPU splash-attention kernel in the layer's layout.
 
-`attention(q_BTNH, k_BSKH, v_BSKH, ...)` computes what `nnx_zoo.common.nn.attention.attend` computes
-for the masks of `nnx_zoo.common.nn.attention.make_mask` (causal or not, a window W: the query and
-the W - 1 keys before it, and after it if not causal; segment ids; GQA; logit soft-cap after the
-scale) with `jax.experimental.pallas.ops.tpu.splash_attention`, which never stores a [T, S] array
-and skips key blocks its mask rules out, forward and backward.
+`attention(q_BTNH, k_BSKH, v_BSKH, ...)` computes what `nnx_zoo.common.nn.attention_ref.attend`
+computes for the masks of `nnx_zoo.common.nn.attention_ref.make_mask` (causal or not, a window W:
+the query and the W - 1 keys before it, and after it if not causal; segment ids; GQA; logit
+soft-cap after the scale) with `jax.experimental.pallas.ops.tpu.splash_attention`, which never
+stores a [T, S] array and skips key blocks its mask rules out, forward and backward.
 
 Why splash alone, not also `pallas.ops.tpu.flash_attention`: that kernel needs as many key/value
 heads as query heads (GQA would repeat K and V), has no window and no soft-cap, and everything

@@ -41,6 +41,7 @@ from flax import nnx
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import (
   attention,
+  attention_ref,
   conditioning,
   lora,
   memory,
@@ -540,7 +541,7 @@ class Decoder(_Stack):
       head, call = self.lm_head, Linear.__call__
 
     def project(module, x_D):
-      return attention.soft_cap(call(module, x_D), cap)
+      return attention_ref.soft_cap(call(module, x_D), cap)
 
     return head, project
 
@@ -894,7 +895,7 @@ class EncoderDecoder(nnx.Module):
     def project(module, x_D):
       if scale:
         x_D = x_D * jnp.asarray(scale, x_D.dtype)
-      return attention.soft_cap(call(module, x_D), cap)
+      return attention_ref.soft_cap(call(module, x_D), cap)
 
     return head, project
 

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import attention, position
+from nnx_zoo.common.nn import attention, attention_impl, attention_ref, attention_report, position
 
 # ---------------------------------------------------------------------------------------------
 # Independent references (numpy, float64, one head at a time).
@@ -148,7 +148,7 @@ def run(attn, x, positions=None, seg=None, pos=None, cache=None):
   )
 
 
-attend = jax.jit(attention.attend, static_argnames="softcap")
+attend = jax.jit(attention_ref.attend, static_argnames="softcap")
 
 # ---------------------------------------------------------------------------------------------
 # attend: the core against the reference; GQA / MQA against MHA with repeated heads.
@@ -205,7 +205,7 @@ def test_attend_bias_and_softcap_match_reference():
 def test_make_mask_matches_reference(causal, window):
   seg = np.array([[1, 1, 1, 1, 2, 2, 2, 2, 2], [3, 3, 3, 3, 3, 3, 3, 0, 0]])
   T = seg.shape[1]
-  got = attention.make_mask(
+  got = attention_ref.make_mask(
     jnp.arange(T),
     jnp.arange(T),
     jnp.asarray(seg),
@@ -222,7 +222,7 @@ def test_sliding_window_sees_exactly_the_last_w_keys():
   T, W = 8, 3
   ones = jnp.ones((1, T), jnp.int32)
   mask = np.asarray(
-    attention.make_mask(jnp.arange(T), jnp.arange(T), ones, ones, causal=True, window=W)
+    attention_ref.make_mask(jnp.arange(T), jnp.arange(T), ones, ones, causal=True, window=W)
   )[0]
   for t in range(T):
     assert set(np.flatnonzero(mask[t])) == set(range(max(0, t - W + 1), t + 1))
@@ -474,8 +474,8 @@ def test_flash_layer_equals_xla(kw):
 
 
 def test_flash_with_alibi_falls_back_to_xla_and_logs_once(caplog, monkeypatch):
-  monkeypatch.setattr(attention, "_logged", set())
-  caplog.set_level(logging.WARNING, logger=attention.__name__)
+  monkeypatch.setattr(attention_impl, "_logged", set())
+  caplog.set_level(logging.WARNING, logger=attention_impl.__name__)
   flash, xla = layer(impl="flash"), layer()
   for T in (6, 7):  # two traces, one message
     x = randn(52, (1, T, 32))
@@ -510,7 +510,7 @@ def test_choose_impl(impl, kw, backend, want):
     dict(bias=False, cache=False, softcap=False, bidirectional_window=False, dtype=jnp.bfloat16)
     | kw
   )
-  assert attention.choose_impl(impl, backend=backend, **kw) == want
+  assert attention_impl.choose_impl(impl, backend=backend, **kw) == want
 
 
 @pytest.mark.cpu_only
@@ -565,7 +565,7 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 )
 def test_resolve_auto(platform, kw, want):
   kw = dict(dtype=BF16, head_dim=64, seq_len=2048) | kw
-  impl, why = attention.resolve_auto(platform=platform, **kw)
+  impl, why = attention_impl.resolve_auto(platform=platform, **kw)
   assert impl == want, why
   assert why.startswith(platform)
 
@@ -575,8 +575,8 @@ def test_auto_is_the_default_and_runs_the_xla_path_on_cpu(caplog, monkeypatch):
   """On a CPU "auto" is "xla": the same numbers, output and gradients, with packed segments;
   the choice is logged once."""
   assert attention.config(num_heads=2, head_dim=8).impl == "auto"
-  monkeypatch.setattr(attention, "_logged", set())
-  caplog.set_level(logging.INFO, logger=attention.__name__)
+  monkeypatch.setattr(attention_impl, "_logged", set())
+  caplog.set_level(logging.INFO, logger=attention_impl.__name__)
   x = randn(54, (2, 12, 32))
   seg = np.array([[1] * 5 + [2] * 7, [3] * 9 + [0] * 3])
   positions = position.positions_from_segments(jnp.asarray(seg))
@@ -603,15 +603,15 @@ def test_describe_auto_per_layer_kind():
 
   g2, g3 = gemma.config("gemma2-2b"), gemma.config("gemma3-1b")
   g2.dtype = g3.dtype = "bfloat16"
-  assert attention.describe_auto(g2, platform="gpu", seq_len=4096).startswith("xla (")
-  assert attention.describe_auto(g3, platform="gpu", seq_len=4096).startswith("xla (")
-  h200 = attention.describe_auto(g3, platform="gpu", seq_len=4096, device_kind="NVIDIA H200")
+  assert attention_report.describe_auto(g2, platform="gpu", seq_len=4096).startswith("xla (")
+  assert attention_report.describe_auto(g3, platform="gpu", seq_len=4096).startswith("xla (")
+  h200 = attention_report.describe_auto(g3, platform="gpu", seq_len=4096, device_kind="NVIDIA H200")
   assert h200.startswith("cudnn (")
   tiny = llama.config("tiny")
-  assert attention.describe_auto(tiny, platform="gpu", seq_len=256).startswith("flash (")
-  assert attention.describe_auto(tiny, platform="cpu", seq_len=256).startswith("xla (")
+  assert attention_report.describe_auto(tiny, platform="gpu", seq_len=256).startswith("flash (")
+  assert attention_report.describe_auto(tiny, platform="cpu", seq_len=256).startswith("xla (")
   tiny.attention.impl = "xla"
-  assert attention.describe_auto(tiny, platform="gpu", seq_len=256) == ""
+  assert attention_report.describe_auto(tiny, platform="gpu", seq_len=256) == ""
 
 
 # What compiles for a GPU, proved on this CPU: the layer traced as for GPUs and lowered for CUDA.
@@ -649,7 +649,7 @@ def _lower_layer_for_gpu(monkeypatch, dtype, device_kind="NVIDIA H200", pos=None
   monkeypatch.setattr(cudnn_fa, "is_cuda_compute_capability_equal", lambda capability: False)
   monkeypatch.setattr(tpu_attention, "target_platform", lambda: "gpu")
   monkeypatch.setattr(tpu_attention, "target_device_kind", lambda: device_kind)
-  monkeypatch.setattr(attention, "_logged", set())
+  monkeypatch.setattr(attention_impl, "_logged", set())
   cfg = attention.config(num_heads=8, num_kv_heads=2, head_dim=64, **kw)
   attn = nnx.eval_shape(lambda: attention.Attention(cfg, 256, dtype=dtype, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(attn)
@@ -745,7 +745,7 @@ def test_cross_attention_matches_reference(kw):
 )
 def test_attend_in_blocks_equals_attend(monkeypatch, causal, window, N, K, segments, bias, softcap):
   """Values and gradients, with 4-row query blocks over T = 19 (a ragged last block)."""
-  monkeypatch.setattr(attention, "QUERY_BLOCK", 4)
+  monkeypatch.setattr(attention_ref, "QUERY_BLOCK", 4)
   B, T, H = 2, 19, 8
   q, k, v = randn(10, (B, T, N, H), 2.0), randn(11, (B, T, K, H), 2.0), randn(12, (B, T, K, H))
   seg = np.ones((B, T), np.int32)
@@ -758,12 +758,12 @@ def test_attend_in_blocks_equals_attend(monkeypatch, causal, window, N, K, segme
   def loss(f, **more):
     return lambda q, k, v: jnp.sum(f(q, k, v, **kw, **more) * jnp.arange(H))
 
-  blocked = loss(attention.attend_in_blocks, causal=causal, window=window)
-  want, got = loss(attention.attend)(q, k, v), blocked(q, k, v)
+  blocked = loss(attention_ref.attend_in_blocks, causal=causal, window=window)
+  want, got = loss(attention_ref.attend)(q, k, v), blocked(q, k, v)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for g, w in zip(
     jax.grad(blocked, (0, 1, 2))(q, k, v),
-    jax.grad(loss(attention.attend), (0, 1, 2))(q, k, v),
+    jax.grad(loss(attention_ref.attend), (0, 1, 2))(q, k, v),
     strict=True,
   ):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
@@ -775,6 +775,6 @@ def test_key_range_holds_every_key_the_mask_allows(causal, window):
   seg = np.ones((1, T), np.int32)
   mask = np_mask(range(T), range(T), seg, seg, causal=causal, window=window)[0]
   for t0, t1 in [(0, 8), (8, 16), (24, 40), (13, 14)]:
-    lo, hi = attention.key_range(t0, t1, T, causal=causal, window=window)
+    lo, hi = attention_ref.key_range(t0, t1, T, causal=causal, window=window)
     assert not mask[t0:t1, :lo].any() and not mask[t0:t1, hi:].any()
     assert mask[t0:t1, lo].any() and mask[t0:t1, hi - 1].any()  # and no wider

@@ -10,7 +10,7 @@ import pytest
 
 from nnx_zoo.common import mesh, parallel
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import attention
+from nnx_zoo.common.nn import attention_ref
 from nnx_zoo.common.train import losses
 from nnx_zoo.common.train import step as steps
 
@@ -36,8 +36,10 @@ def test_context_order_refuses_a_length_that_does_not_split():
 
 def natural_attention(q, k, v, seg, *, causal, window, softcap):
   T = q.shape[1]
-  mask = attention.make_mask(jnp.arange(T), jnp.arange(T), seg, seg, causal=causal, window=window)
-  return attention.attend(q, k, v, mask_BTS=mask, softcap=softcap)
+  mask = attention_ref.make_mask(
+    jnp.arange(T), jnp.arange(T), seg, seg, causal=causal, window=window
+  )
+  return attention_ref.attend(q, k, v, mask_BTS=mask, softcap=softcap)
 
 
 @pytest.mark.parametrize(
@@ -68,7 +70,7 @@ def test_a_device_attending_to_the_whole_row_equals_the_row_in_order(T, C, causa
     return out[:, mine]
 
   def gathered(q, k, v):
-    return attention.attend_gathered(
+    return attention_ref.attend_gathered(
       q[:, mine],
       k[:, order],
       v[:, order],

@@ -118,11 +118,11 @@ def test_model_flops_is_6_params_tokens_plus_attention():
 def test_score_pairs_count_what_the_attention_mask_lets_through(causal, window):
   import jax.numpy as jnp
 
-  from nnx_zoo.common.nn import attention
+  from nnx_zoo.common.nn import attention_ref
 
   T = 37
   idx, seg = jnp.arange(T), jnp.ones((1, T), jnp.int32)
-  mask = attention.make_mask(idx, idx, seg, seg, causal=causal, window=window)
+  mask = attention_ref.make_mask(idx, idx, seg, seg, causal=causal, window=window)
   assert plan._score_pairs(T, causal=causal, window=window) == int(jnp.sum(mask))
 
 
@@ -316,9 +316,9 @@ FLASH_RECIPES = [
 @pytest.mark.parametrize("name,overrides", FLASH_RECIPES)
 def test_flash_attention_train_step_compiles_for_tpu(name, overrides, caplog):
   from nnx_zoo.common import parallel
-  from nnx_zoo.common.nn import attention
+  from nnx_zoo.common.nn import attention_impl
 
-  attention._logged.clear()
+  attention_impl._logged.clear()
   topology = plan.parse_topology("v5e:2x2")
   cfg = plan.config(
     f"{name}:smoke",

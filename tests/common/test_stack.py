@@ -9,7 +9,7 @@ from flax import nnx
 
 from nnx_zoo.common import models, tasks
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import attention, aux, memory, mlp, norms
+from nnx_zoo.common.nn import attention, attention_ref, aux, memory, mlp, norms
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.gemma import model as gemma
 from nnx_zoo.zoo.llama import model as llama
@@ -145,7 +145,9 @@ def test_attention_scale(scale):
   s = attention.logit_scale(cfg)
   assert s == (scale or 0.5)
   mask = np.tril(np.ones((5, 5), bool))[None]
-  got = attention.attend(*(jnp.asarray(a) for a in (q, k, v)), mask_BTS=jnp.asarray(mask), scale=s)
+  got = attention_ref.attend(
+    *(jnp.asarray(a) for a in (q, k, v)), mask_BTS=jnp.asarray(mask), scale=s
+  )
   logits = np.einsum("tnh,snh->nts", q[0], k[0]) * s
   logits = np.where(mask, logits, -np.inf)
   probs = np.exp(logits - logits.max(-1, keepdims=True))

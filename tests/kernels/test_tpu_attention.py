@@ -1,7 +1,7 @@
 """The TPU splash-attention wrapper: values and gradients against the pure-jnp reference
-(`nnx_zoo.common.nn.attention.attend`) in Pallas TPU interpret mode on CPU, the same sharded over 4
-fake CPU devices under the trainer's check_vma shard_map against one device, and forward + backward
-compiled ahead of time for a TPU slice (v5e:2x2, libtpu needed) under `jax.shard_map`."""
+(`nnx_zoo.common.nn.attention_ref.attend`) in Pallas TPU interpret mode on CPU, the same sharded
+over 4 fake CPU devices under the trainer's check_vma shard_map against one device, and forward +
+backward compiled ahead of time for a TPU slice (v5e:2x2, libtpu needed) under `jax.shard_map`."""
 
 import os
 import pathlib
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from nnx_zoo.common.nn import attention as attn
+from nnx_zoo.common.nn import attention_ref as attn
 from nnx_zoo.kernels import tpu_attention as tpu
 
 # Interpret mode compiles the kernel's grid into XLA loops; these cut that compile time.
