@@ -1,4 +1,4 @@
-"""One GPU, the zoo's train step against transformers in PyTorch (issue 23's measurement, as a run).
+"""One GPU, the zoo's train step against transformers in PyTorch (docs/gpu.md's H200 run).
 
     pip install -e ".[cuda,bench]" && python bench/gpu_vs_torch.py [--json out.json]
     python bench/gpu_vs_torch.py --tiny --no-compile     # tiny shapes: runs anywhere, in seconds
@@ -394,7 +394,7 @@ def bench(args, on_row=None) -> dict:
 
       plan.append((part, f"zoo {impl}", zoo_run))
     if part == "long":
-      continue  # the zoo's long-context row only (the issue's T = 8192 row)
+      continue  # the zoo's long-context row only (the T = 8192 row of docs/gpu.md)
     for compile_ in torch_kinds:
       name = "torch.compile" if compile_ else "torch eager"
 

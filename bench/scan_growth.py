@@ -1,4 +1,4 @@
-"""How a scanned step's planned temporaries grow with the layers (issue 26): `zoo plan` (memory
+"""How a scanned step's planned temporaries grow with the layers: `zoo plan` (memory
 only) of one recipe on one TPU slice at two depths, and the growth per layer in bytes and in
 units of one layer's fp32 parameter shard (the params' own growth per layer).
 

@@ -4,7 +4,7 @@ resume's step) is loaded, not compiled again, by the next test or subprocess tha
 JAX_COMPILATION_CACHE_DIR yourself to put it elsewhere.
 
 On a GPU, fp32 matmuls run at full precision: XLA (and Pallas Triton) run them as TF32 there by
-default (errors ~6e-4 on an H200, issue 23), and the tests compare fp32 paths against fp32
+default (errors ~6e-4 on an H200, docs/gpu.md), and the tests compare fp32 paths against fp32
 references with fp32 tolerances. Set through the environment, before jax is imported, so the
 `zoo` processes the tests start inherit it; a machine without jax's CUDA plugin is untouched, so
 on a CPU the suite runs as it always has. Tests marked `cpu_only` check what a CPU backend does

@@ -140,19 +140,19 @@ RULES = (
     lambda c: f"cuDNN's biased (or segment-masked) backward needs an even length, not {c.seq_len}",
     auto_only=True,
   ),
-  # Issue 23: on an H200 the kernel's bf16 GQA case and its padded-length cases failed, not
-  # understood yet; float32 with lengths of whole blocks passed.
+  # Measured on an H200 (2026-12-04, docs/gpu.md): the kernel's bf16 GQA case and its
+  # padded-length cases failed, not understood yet; float32 with lengths of whole blocks passed.
   Rule(
     ("flash",),
     lambda c: c.platform == "gpu" and c.dtype != "float32",
-    lambda c: f"the flash kernel failed in {c.dtype} on an H200 (issue 23)",
+    lambda c: f"the flash kernel failed in {c.dtype} on an H200 (docs/gpu.md)",
     auto_only=True,
   ),
   Rule(
     ("flash",),
     lambda c: c.platform == "gpu" and c.seq_len % FLASH_BLOCK,
     lambda c: (
-      "the flash kernel failed on padded lengths on an H200 (issue 23), and "
+      "the flash kernel failed on padded lengths on an H200 (docs/gpu.md), and "
       f"{c.seq_len} is not a multiple of {FLASH_BLOCK}"
     ),
     auto_only=True,

@@ -56,8 +56,8 @@ def run_blocks(
   saves every layer's gathered weights for the backward pass, as the unscanned model does:
   bench/fsdp_gathers.py). The parameters are stored stacked, so no call copies them into a stack
   (before, a call stacked the per-layer states: one stacked copy of the local parameter shards,
-  their casts and their stacked gradients per step, issue 26). Decoding runs layer by layer on
-  slices of the stacks (`layer`).
+  their casts and their stacked gradients per step: bench/scan_growth.py). Decoding runs layer by
+  layer on slices of the stacks (`layer`).
 
   Auxiliary losses the blocks add (common/nn/aux.py) leave a scan or remat body as its outputs.
   """

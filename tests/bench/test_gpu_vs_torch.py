@@ -1,5 +1,5 @@
 """bench/gpu_vs_torch.py, which needs a GPU for its figures: its arguments, the models it builds
-(the issue's 1.24 B Llama and a ~0.9 B-active Mixtral), its FLOP counts against a hand count,
+(docs/gpu.md's 1.24 B Llama and a ~0.9 B-active Mixtral), its FLOP counts against a hand count,
 its table, JSON and .ci/gpu summary, and a tiny run on the CPU (each row failing alone)."""
 
 import importlib.util
@@ -42,7 +42,7 @@ def test_impls_per_platform_auto_first():
 
 
 def test_models_and_flops_are_the_issues():
-  """The dense row is issue 23's model (1.24 B, batch 8 x 2048, bf16, scan, no remat); FLOPs are
+  """The dense row is docs/gpu.md's model (1.24 B, batch 8 x 2048, bf16, scan, no remat); FLOPs are
   MaxText's count, checked by hand here; the MoE row counts its active MLP work."""
   cfgs = bench.configs(tiny=False)
   dense, _ = cfgs["dense"]
