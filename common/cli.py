@@ -73,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--mesh-rule", help="pick the mesh rule for this hardware name")
     if name == "run":
       s.add_argument("--quiet", action="store_true", help="no progress bar")
-    # Several hosts: one process each, as torchrun's flags (see README, "Several hosts").
+    # Several hosts: one process each, as torchrun's flags (docs/parallel.md, "Several hosts").
     s.add_argument("--coordinator", help="HOST:PORT of process 0")
     s.add_argument("--num-processes", type=int)
     s.add_argument("--process-id", type=int)

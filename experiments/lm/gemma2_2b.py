@@ -6,7 +6,7 @@ Command:   zoo data prepare lm/gemma2-2b --out prepared/gemma2-2b \
              --config.data.path=prepared/gemma2-2b --config.data.tokenizer.path=tokenizer.json
 Hardware:  the full model needs accelerators (about 16 bytes of weights and AdamW state per
            parameter, sharded with mesh.fsdp); planned with `zoo plan` to fit a 64-chip slice
-           of v4, v5e, v5p and v6e (README's table; never run on a TPU);
+           of v4, v5e, v5p and v6e (docs/tpu.md's table; never run on a TPU);
            `lm/gemma2-2b:smoke` runs on one CPU in seconds.
 Time:      not measured on accelerators here; the smoke form took 32 s (gemma2) and 38 s
            (gemma3) in all on 2 CPU cores shared with other jobs.
