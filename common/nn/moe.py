@@ -5,9 +5,9 @@ published routers: Mixtral (softmax over the experts, top-k, the k weights renor
 Qwen3-MoE (renormalisation optional: `norm_topk_prob`), and Qwen2-MoE / DeepSeek shared experts
 (one always-on MLP added to the routed output, with Qwen2-MoE's optional sigmoid gate).
 
-Shapes: the legend of docs/DESIGN.md, plus N tokens (B * T flattened, as in common/train/losses.py),
-k the top-k slots of a token (lower case: K is kv heads), A = N * k assignments (token, expert
-pairs), R rows of the expert-sorted buffer, in blocks of M rows (the blocked impl).
+Shapes: the legend of docs/DESIGN.md, plus M tokens (B * T flattened, as in common/train/losses.py),
+k the top-k slots of a token (lower case: K is kv heads), A = M * k assignments (token, expert
+pairs), R rows of the expert-sorted buffer, in blocks of C rows (the blocked impl).
 
 Routing is token choice and dropless by default: every token reaches its k experts, so the
 result never depends on how the batch is split. The experts' matmuls cost what each token's own
@@ -30,9 +30,9 @@ and multiplied group by group, by one of four `impl`s:
   dense MLP of the same active size), "gmm" on TPU, "ragged" elsewhere (GPU: not measured here).
 
 `capacity_factor > 0` turns on token dropping (Switch / GShard): expert e keeps the first
-C = ceil(capacity_factor * A / E) assignments routed to it, in token order (batch-major, then
+Q = ceil(capacity_factor * A / E) assignments routed to it, in token order (batch-major, then
 sequence, then the token's k slots by rank), and the others are dropped: their routed output is
-0 (a token that loses all k slots keeps only its shared expert and the residual). C is counted
+0 (a token that loses all k slots keeps only its shared expert and the residual). Q is counted
 over the tokens of one call, which inside a sharded step is the local shard, so unlike dropless
 routing a mesh can change which tokens drop. It changes what tokens receive, not the compute.
 
@@ -56,7 +56,7 @@ itself, sends each assignment's row to the device holding its expert with one
 `jax.lax.all_to_all` over `expert`, runs its E_l experts on what arrived (the same grouped
 matmul), and a second all-to-all brings the outputs back to their tokens, combined there. The
 buffers are fixed-size (XLA:CPU has no ragged all-to-all): a device sends each of the X others
-C = N * min(k, E_l) rows, padded. That bound is dropless: a token's k experts are distinct, so
+Q = M * min(k, E_l) rows, padded. That bound is dropless: a token's k experts are distinct, so
 at most min(k, E_l) of them live on any one device, whatever the routing. FSDP gathers the
 experts' D dim as without it; with F split over `tensor` each tensor rank exchanges the same
 rows and the routed output is reduced over `tensor` after the combine, as without it.
@@ -134,14 +134,14 @@ def psum_batch(x: jax.Array) -> jax.Array:
   return parallel.token_sum(x)
 
 
-def route(logits_NE: jax.Array, *, top_k: int, norm_topk_prob: bool):
-  """(weights_Nk, experts_Nk, probs_NE): the softmax over experts, its top k, renormalised to
+def route(logits_ME: jax.Array, *, top_k: int, norm_topk_prob: bool):
+  """(weights_Mk, experts_Mk, probs_ME): the softmax over experts, its top k, renormalised to
   sum to 1 per token when `norm_topk_prob`."""
-  probs_NE = jax.nn.softmax(logits_NE.astype(jnp.float32), axis=-1)
-  weights_Nk, experts_Nk = jax.lax.top_k(probs_NE, top_k)
+  probs_ME = jax.nn.softmax(logits_ME.astype(jnp.float32), axis=-1)
+  weights_Mk, experts_Mk = jax.lax.top_k(probs_ME, top_k)
   if norm_topk_prob:
-    weights_Nk = weights_Nk / jnp.sum(weights_Nk, axis=-1, keepdims=True)
-  return weights_Nk, experts_Nk, probs_NE
+    weights_Mk = weights_Mk / jnp.sum(weights_Mk, axis=-1, keepdims=True)
+  return weights_Mk, experts_Mk, probs_ME
 
 
 def expert_shards() -> int:
@@ -171,23 +171,23 @@ def resolve_impl(impl: str) -> str:
 
 
 @jax.custom_vjp
-def _gather_rows(x_ND, src_R, inverse_Nj):
+def _gather_rows(x_MD, src_R, inverse_Mj):
   """out[r] = x[src[r]] (0 where src[r] is out of range), where inverse[n] lists every r with
   src[r] == n (out of range entries padding it). A custom VJP because autodiff would transpose
   the gather into a scatter-add, which XLA:CPU runs far slower than the gather by `inverse` that
   it equals here."""
-  return jnp.take(x_ND, src_R, axis=0, mode="fill", fill_value=0)
+  return jnp.take(x_MD, src_R, axis=0, mode="fill", fill_value=0)
 
 
-def _gather_rows_fwd(x_ND, src_R, inverse_Nj):
-  # x_ND[:0] is empty but typed like x (the axes it varies over), all the backward needs of it.
-  return _gather_rows(x_ND, src_R, inverse_Nj), (inverse_Nj, x_ND[:0])
+def _gather_rows_fwd(x_MD, src_R, inverse_Mj):
+  # x_MD[:0] is empty but typed like x (the axes it varies over), all the backward needs of it.
+  return _gather_rows(x_MD, src_R, inverse_Mj), (inverse_Mj, x_MD[:0])
 
 
 def _gather_rows_bwd(res, g_RD):
-  inverse_Nj, x_type = res
-  g_NjD = jnp.take(g_RD, inverse_Nj, axis=0, mode="fill", fill_value=0)
-  return parallel.sum_to(jnp.sum(g_NjD, axis=1), parallel.varying(x_type)), None, None
+  inverse_Mj, x_type = res
+  g_MjD = jnp.take(g_RD, inverse_Mj, axis=0, mode="fill", fill_value=0)
+  return parallel.sum_to(jnp.sum(g_MjD, axis=1), parallel.varying(x_type)), None, None
 
 
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
@@ -210,33 +210,33 @@ def _block_rows(A: int, E: int) -> tuple[int, ...]:
   """The block sizes, largest first: BLOCK_ROWS, those no expert's A / E rows could fill
   dropped, and the smallest no larger than that mean (at least 8)."""
   mean = max(8, -(-A // E // 8) * 8)
-  return tuple(m for m in BLOCK_ROWS if m <= mean) or (mean,)
+  return tuple(c for c in BLOCK_ROWS if c <= mean) or (mean,)
 
 
-def _blocks_per_size(padded_E, Ms):
-  """[len(Ms), E]: how many blocks of each size cover each expert's padded rows, largest
+def _blocks_per_size(padded_E, Cs):
+  """[len(Cs), E]: how many blocks of each size cover each expert's padded rows, largest
   first (padded_E a multiple of the smallest)."""
   counts = []
-  for M in Ms:
-    counts.append(padded_E // M)
-    padded_E = padded_E - counts[-1] * M
+  for C in Cs:
+    counts.append(padded_E // C)
+    padded_E = padded_E - counts[-1] * C
   return jnp.stack(counts).astype(jnp.int32)
 
 
-def _over_blocks(e, starts_E, blocks_LE, Ms, block, carry):
-  """carry through block(r, M, carry) for each block of expert e's rows, [r, r + M), in order."""
+def _over_blocks(e, starts_E, blocks_LE, Cs, block, carry):
+  """carry through block(r, C, carry) for each block of expert e's rows, [r, r + C), in order."""
   r0 = starts_E[e]
-  for level, M in enumerate(Ms):
+  for level, C in enumerate(Cs):
     count = blocks_LE[level, e]
-    carry = jax.lax.fori_loop(0, count, lambda i, c, M=M, r0=r0: block(r0 + i * M, M, c), carry)
-    r0 = r0 + count * M
+    carry = jax.lax.fori_loop(0, count, lambda i, c, C=C, r0=r0: block(r0 + i * C, C, c), carry)
+    r0 = r0 + count * C
   return carry
 
 
-def _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_LE, Ms, act, keep):
-  """The whole expert MLP, block by block: for each block of M rows of expert e
+def _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_LE, Cs, act, keep):
+  """The whole expert MLP, block by block: for each block of C rows of expert e
   (`_over_blocks`), h = act(x @ gate + b) * (x @ up + b) (act(x @ up + b) without a gate) and
-  y = h @ down, the [M, F] hidden never leaving the loop body. `keep`: also return the
+  y = h @ down, the [C, F] hidden never leaving the loop body. `keep`: also return the
   pre-activations (gate, up) [R, F] the backward pass reads (zeros in rows no expert owns)."""
   R, D = x_RD.shape
   F = w["up"].shape[2]
@@ -253,46 +253,46 @@ def _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_LE, Ms, act, keep):
       for n, v in w.items()
     }
 
-    def block(r, M, carry):
+    def block(r, C, carry):
       y_RD, kept = carry
-      x_MD = jax.lax.dynamic_slice_in_dim(x_RD, r, M)
+      x_CD = jax.lax.dynamic_slice_in_dim(x_RD, r, C)
       pre = {}
       for n in names:
-        pre[n] = jnp.dot(x_MD, we[n])
+        pre[n] = jnp.dot(x_CD, we[n])
         if we[f"{n}_bias"] is not None:
           pre[n] = pre[n] + we[f"{n}_bias"]
-      h_MF = act(pre["gate"]) * pre["up"] if gated else act(pre["up"])
-      y_RD = jax.lax.dynamic_update_slice_in_dim(y_RD, jnp.dot(h_MF, we["down"]), r, 0)
+      h_CF = act(pre["gate"]) * pre["up"] if gated else act(pre["up"])
+      y_RD = jax.lax.dynamic_update_slice_in_dim(y_RD, jnp.dot(h_CF, we["down"]), r, 0)
       kept = {n: jax.lax.dynamic_update_slice_in_dim(kept[n], pre[n], r, 0) for n in kept}
       return y_RD, kept
 
-    return _over_blocks(e, starts_E, blocks_LE, Ms, block, carry)
+    return _over_blocks(e, starts_E, blocks_LE, Cs, block, carry)
 
   return jax.lax.fori_loop(0, starts_E.shape[0], expert, (y_RD, kept))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _expert_mlp(x_RD, w, starts_E, blocks_LE, Ms, act):
+def _expert_mlp(x_RD, w, starts_E, blocks_LE, Cs, act):
   """The blocked impl's expert MLP in one pass (`_expert_mlp_fwd_loops`): x [R, D] sorted and
   padded by expert, `w` the experts' gate/up/down weights and gate/up biases (or None).
 
   One loop over the experts and their blocks for the whole MLP, not one grouped matmul per
-  weight with the activation between them over all R rows: a block's [M, F] hidden is computed,
+  weight with the activation between them over all R rows: a block's [C, F] hidden is computed,
   activated and multiplied down while it is in cache, and each expert's weights are sliced once.
   A custom VJP because autodiff of the loops would add each block's weight gradient into a fresh
   zero [E, D, F] array (E times the traffic); here the backward pass reads back the
   pre-activations the forward kept and computes each block's input gradient and weight
   gradients in the same loops, each expert's summed in one fp32 accumulator (megablox's gmm and
   tgmm in one pass)."""
-  return _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_LE, Ms, act, keep=False)[0]
+  return _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_LE, Cs, act, keep=False)[0]
 
 
-def _expert_mlp_fwd(x_RD, w, starts_E, blocks_LE, Ms, act):
-  y_RD, kept = _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_LE, Ms, act, keep=True)
+def _expert_mlp_fwd(x_RD, w, starts_E, blocks_LE, Cs, act):
+  y_RD, kept = _expert_mlp_fwd_loops(x_RD, w, starts_E, blocks_LE, Cs, act, keep=True)
   return y_RD, (x_RD, w, starts_E, blocks_LE, kept)
 
 
-def _expert_mlp_bwd(Ms, act, res, g_RD):
+def _expert_mlp_bwd(Cs, act, res, g_RD):
   x_RD, w, starts_E, blocks_LE, kept = res
   gated = w["gate"] is not None
   names = ("gate", "up") if gated else ("up",)
@@ -304,32 +304,32 @@ def _expert_mlp_bwd(Ms, act, res, g_RD):
     dx_RD, dw = carry
     we = {n: jax.lax.dynamic_index_in_dim(v, e, keepdims=False) for n, v in present.items()}
 
-    def block(r, M, carry):
+    def block(r, C, carry):
       dx_RD, dwe = carry
-      x_MD = jax.lax.dynamic_slice_in_dim(x_RD, r, M)
-      g_MD = jax.lax.dynamic_slice_in_dim(g_RD, r, M)
-      pre = {n: jax.lax.dynamic_slice_in_dim(kept[n], r, M) for n in names}
+      x_CD = jax.lax.dynamic_slice_in_dim(x_RD, r, C)
+      g_CD = jax.lax.dynamic_slice_in_dim(g_RD, r, C)
+      pre = {n: jax.lax.dynamic_slice_in_dim(kept[n], r, C) for n in names}
       if gated:
-        a_MF, act_vjp = jax.vjp(act, pre["gate"])
-        h_MF = a_MF * pre["up"]
+        a_CF, act_vjp = jax.vjp(act, pre["gate"])
+        h_CF = a_CF * pre["up"]
       else:
-        h_MF, act_vjp = jax.vjp(act, pre["up"])
+        h_CF, act_vjp = jax.vjp(act, pre["up"])
       f32 = dict(preferred_element_type=jnp.float32)
-      dwe = dict(dwe, down=dwe["down"] + jnp.dot(h_MF.T, g_MD, **f32))
-      dh_MF = jnp.dot(g_MD, we["down"].T)
+      dwe = dict(dwe, down=dwe["down"] + jnp.dot(h_CF.T, g_CD, **f32))
+      dh_CF = jnp.dot(g_CD, we["down"].T)
       if gated:
-        dpre = {"up": dh_MF * a_MF, "gate": act_vjp(dh_MF * pre["up"])[0]}
+        dpre = {"up": dh_CF * a_CF, "gate": act_vjp(dh_CF * pre["up"])[0]}
       else:
-        dpre = {"up": act_vjp(dh_MF)[0]}
-      dx_MD = sum(jnp.dot(dpre[n], we[n].T) for n in names).astype(dx_RD.dtype)
+        dpre = {"up": act_vjp(dh_CF)[0]}
+      dx_CD = sum(jnp.dot(dpre[n], we[n].T) for n in names).astype(dx_RD.dtype)
       for n in names:
-        dwe[n] = dwe[n] + jnp.dot(x_MD.T, dpre[n], **f32)
+        dwe[n] = dwe[n] + jnp.dot(x_CD.T, dpre[n], **f32)
         if f"{n}_bias" in dwe:
           dwe[f"{n}_bias"] = dwe[f"{n}_bias"] + jnp.sum(dpre[n].astype(jnp.float32), axis=0)
-      return jax.lax.dynamic_update_slice_in_dim(dx_RD, dx_MD, r, 0), dwe
+      return jax.lax.dynamic_update_slice_in_dim(dx_RD, dx_CD, r, 0), dwe
 
     dwe = {n: zeros(v.shape, jnp.float32) for n, v in we.items() if n != "down_bias"}
-    dx_RD, dwe = _over_blocks(e, starts_E, blocks_LE, Ms, block, (dx_RD, dwe))
+    dx_RD, dwe = _over_blocks(e, starts_E, blocks_LE, Cs, block, (dx_RD, dwe))
     dw = {n: jax.lax.dynamic_update_index_in_dim(dw[n], dwe[n], e, 0) for n in dw}
     return dx_RD, dw
 
@@ -419,46 +419,46 @@ class MoE(nnx.Module):
   def __call__(self, x_BTD: jax.Array, *, mask_BT: jax.Array | None = None) -> jax.Array:
     B, T, D = x_BTD.shape
     E, k = self.num_experts, self.top_k
-    x_ND = x_BTD.reshape(B * T, D)
+    x_MD = x_BTD.reshape(B * T, D)
     router_DE = parallel.gather(self.router[...], ("D", None)).astype(jnp.float32)
-    logits_NE = jnp.dot(x_ND.astype(jnp.float32), router_DE)
-    weights_Nk, experts_Nk, probs_NE = route(logits_NE, top_k=k, norm_topk_prob=self.norm_topk_prob)
+    logits_ME = jnp.dot(x_MD.astype(jnp.float32), router_DE)
+    weights_Mk, experts_Mk, probs_ME = route(logits_ME, top_k=k, norm_topk_prob=self.norm_topk_prob)
     if aux.collecting():
-      mask_N = None if mask_BT is None else mask_BT.reshape(B * T)
-      self._add_aux_losses(logits_NE, probs_NE, experts_Nk, mask_N)
+      mask_M = None if mask_BT is None else mask_BT.reshape(B * T)
+      self._add_aux_losses(logits_ME, probs_ME, experts_Mk, mask_M)
 
-    experts_A = experts_Nk.reshape(-1)
+    experts_A = experts_Mk.reshape(-1)
     order_A, sizes_E, rank_A = _sort_by_expert(experts_A, E)
     if self.capacity_factor > 0:
       capacity = math.ceil(self.capacity_factor * B * T * k / E)
-      weights_Nk = jnp.where((rank_A < capacity).reshape(B * T, k), weights_Nk, 0.0)
-    weights_Nk = weights_Nk.astype(self.dtype)
+      weights_Mk = jnp.where((rank_A < capacity).reshape(B * T, k), weights_Mk, 0.0)
+    weights_Mk = weights_Mk.astype(self.dtype)
 
     shards = expert_shards()
     # The reference loop runs every expert here, so it gathers all of them (E x the memory).
     w = self._expert_weights(whole_E=self.impl == "loop")
-    x_ND = x_ND.astype(self.dtype)
+    x_MD = x_MD.astype(self.dtype)
     if self.impl == "loop":
-      y_ND = self._loop(x_ND, w, experts_Nk, weights_Nk)
+      y_MD = self._loop(x_MD, w, experts_Mk, weights_Mk)
     elif shards > 1:
-      y_ND = self._expert_parallel(x_ND, w, experts_A, sizes_E, rank_A, weights_Nk, shards)
+      y_MD = self._expert_parallel(x_MD, w, experts_A, sizes_E, rank_A, weights_Mk, shards)
     else:
-      ys_AD = self._per_assignment(x_ND, w, experts_A, order_A, sizes_E, rank_A, k=k, E=E)
-      # A weighted sum over k, not an einsum: XLA:CPU would run that as N tiny batched matmuls.
-      y_ND = jnp.sum(weights_Nk[..., None] * ys_AD.reshape(B * T, k, D), axis=1)
+      ys_AD = self._per_assignment(x_MD, w, experts_A, order_A, sizes_E, rank_A, k=k, E=E)
+      # A weighted sum over k, not an einsum: XLA:CPU would run that as M tiny batched matmuls.
+      y_MD = jnp.sum(weights_Mk[..., None] * ys_AD.reshape(B * T, k, D), axis=1)
     # Each device holds an F slice of every expert when F is split over `tensor`: y is partial.
-    y_ND = parallel.reduce(y_ND, "F")
+    y_MD = parallel.reduce(y_MD, "F")
     if self.down_bias is not None:  # after the reduce: added once, not per shard
       down_bias_ED = w["down_bias"] if self.impl == "loop" else _all_experts(w["down_bias"])
-      bias_ND = jnp.sum(weights_Nk[..., None] * down_bias_ED[experts_Nk], axis=1)
-      y_ND = y_ND + bias_ND
+      bias_MD = jnp.sum(weights_Mk[..., None] * down_bias_ED[experts_Mk], axis=1)
+      y_MD = y_MD + bias_MD
 
     if self.shared is not None:
-      shared_ND = self.shared(x_ND)
+      shared_MD = self.shared(x_MD)
       if self.shared_gate is not None:
-        shared_ND = jax.nn.sigmoid(self.shared_gate(x_ND)) * shared_ND
-      y_ND = y_ND + shared_ND
-    return y_ND.reshape(B, T, D)
+        shared_MD = jax.nn.sigmoid(self.shared_gate(x_MD)) * shared_MD
+      y_MD = y_MD + shared_MD
+    return y_MD.reshape(B, T, D)
 
   def _expert_weights(self, whole_E: bool = False) -> dict[str, jax.Array | None]:
     """This device's experts' weights, fsdp dims gathered (all E experts when `whole_E`)."""
@@ -486,81 +486,81 @@ class MoE(nnx.Module):
     g = jnp.dot(x, gate) if gate_bias is None else jnp.dot(x, gate) + gate_bias
     return self.act(g) * u
 
-  def _loop(self, x_ND, w, experts_Nk, weights_Nk):
+  def _loop(self, x_MD, w, experts_Mk, weights_Mk):
     """Every expert on every token, weighted by its combine weight (the reference)."""
-    one_hot_NkE = jax.nn.one_hot(experts_Nk, self.num_experts, dtype=self.dtype)
-    combine_NE = jnp.sum(weights_Nk[..., None] * one_hot_NkE, axis=1)
-    y_ND = jnp.zeros_like(x_ND)
+    one_hot_MkE = jax.nn.one_hot(experts_Mk, self.num_experts, dtype=self.dtype)
+    combine_ME = jnp.sum(weights_Mk[..., None] * one_hot_MkE, axis=1)
+    y_MD = jnp.zeros_like(x_MD)
     for e in range(self.num_experts):
       pick = lambda name, e=e: None if w[name] is None else w[name][e]
-      h_NF = self._hidden(x_ND, pick("gate"), pick("up"), pick("gate_bias"), pick("up_bias"))
-      y_ND = y_ND + combine_NE[:, e : e + 1] * jnp.dot(h_NF, w["down"][e])
-    return y_ND
+      h_MF = self._hidden(x_MD, pick("gate"), pick("up"), pick("gate_bias"), pick("up_bias"))
+      y_MD = y_MD + combine_ME[:, e : e + 1] * jnp.dot(h_MF, w["down"][e])
+    return y_MD
 
-  def _per_assignment(self, x_ND, w, experts_A, order_A, sizes_E, rank_A, *, k, E, rows=None):
-    """Each assignment's expert output, unweighted [A, D] (A = N * k, assignment n * k + j is
+  def _per_assignment(self, x_MD, w, experts_A, order_A, sizes_E, rank_A, *, k, E, rows=None):
+    """Each assignment's expert output, unweighted [A, D] (A = M * k, assignment n * k + j is
     token n's slot j): the rows sorted by expert (padded per expert for "blocked"), each group
     through its own expert of `w`, and brought back to assignment order. An assignment whose
     expert is E (a padding row of the expert-parallel buffer) is computed by no expert and its
     row is 0. `rows`: how many real assignments to expect (A), what sizes the blocks."""
-    N = x_ND.shape[0]
-    A = N * k
+    M = x_MD.shape[0]
+    A = M * k
     real_A = experts_A < E
     if self.impl in ("ragged", "gmm"):
       # Padding rows sort last, past every group: both grouped matmuls give them zeros.
       slot_A = jnp.zeros((A,), jnp.int32).at[order_A].set(jnp.arange(A, dtype=jnp.int32))
       src_A = order_A  # the assignment in each row
     else:
-      Ms = _block_rows(A if rows is None else rows, E)
-      M = Ms[-1]  # the padding granularity
-      padded_E = -(-sizes_E // M) * M
+      Cs = _block_rows(A if rows is None else rows, E)
+      C = Cs[-1]  # the padding granularity
+      padded_E = -(-sizes_E // C) * C
       pstarts_E = jnp.cumsum(padded_E) - padded_E
-      G = -(-(A + E * (M - 1)) // M)  # the most blocks any routing can need
-      R = G * M
+      G = -(-(A + E * (C - 1)) // C)  # the most blocks any routing can need
+      R = G * C
       # Padding assignments get no row (slot R: out of range, so dropped by the scatter).
       slot_A = jnp.where(real_A, pstarts_E[jnp.minimum(experts_A, E - 1)] + rank_A, R)
       # Rows no assignment fills point past the end: they read zeros and are never read back.
       src_A = jnp.full((R,), A, jnp.int32).at[slot_A].set(jnp.arange(A, dtype=jnp.int32))
-    token_R = jnp.where(src_A < A, src_A // k, N)
-    xs_RD = _gather_rows(x_ND, token_R, slot_A.reshape(N, k))
+    token_R = jnp.where(src_A < A, src_A // k, M)
+    xs_RD = _gather_rows(x_MD, token_R, slot_A.reshape(M, k))
     if self.impl in ("ragged", "gmm"):
       ys_RD = self._grouped(xs_RD, w, sizes_E, jnp.minimum(experts_A[order_A], E - 1))
     else:
-      ys_RD = self._blocked(xs_RD, w, padded_E, Ms)
+      ys_RD = self._blocked(xs_RD, w, padded_E, Cs)
     return _gather_rows(ys_RD, slot_A, src_A[:, None])
 
-  def _expert_parallel(self, x_ND, w, experts_A, sizes_E, rank_A, weights_Nk, shards):
+  def _expert_parallel(self, x_MD, w, experts_A, sizes_E, rank_A, weights_Mk, shards):
     """The routed output with the experts split over the `expert` mesh axis (X = `shards`
     devices, E_l experts each): each assignment's row sent to its expert's device and its
     output sent back by all-to-all (see the module docstring for the buffer bound)."""
-    (N, D), k, E = x_ND.shape, self.top_k, self.num_experts
-    A, El = N * k, E // shards
-    C = N * min(k, El)  # rows per destination: dropless (module docstring)
-    R = shards * C
+    (M, D), k, E = x_MD.shape, self.top_k, self.num_experts
+    A, El = M * k, E // shards
+    Q = M * min(k, El)  # rows per destination: dropless (module docstring)
+    R = shards * Q
     # The send buffer: destination-major (destination = expert // E_l), and in each
-    # destination's C rows its assignments sorted by expert (token order within one), then
+    # destination's Q rows its assignments sorted by expert (token order within one), then
     # padding. Its place among its destination's is its rank among its expert's plus the
     # assignments of that destination's earlier experts.
     dest_A = experts_A // El
     starts_E = jnp.cumsum(sizes_E) - sizes_E
-    slot_A = dest_A * C + starts_E[experts_A] - starts_E[dest_A * El] + rank_A
+    slot_A = dest_A * Q + starts_E[experts_A] - starts_E[dest_A * El] + rank_A
     src_R = jnp.full((R,), A, jnp.int32).at[slot_A].set(jnp.arange(A, dtype=jnp.int32))
     # Each row's expert among its destination's E_l (E_l marks padding).
     local_R = jnp.full((R,), El, jnp.int32).at[slot_A].set(experts_A % El)
-    token_R = jnp.where(src_R < A, src_R // k, N)
-    send_RD = _gather_rows(x_ND, token_R, slot_A.reshape(N, k))
+    token_R = jnp.where(src_R < A, src_R // k, M)
+    send_RD = _gather_rows(x_MD, token_R, slot_A.reshape(M, k))
 
     def exchange(v):
       """Chunk j of v to device j; back, chunk i from device i (its own transpose)."""
       return jax.lax.all_to_all(v, "expert", 0, 0, tiled=True)
 
-    # What arrived: C rows from each device, for this device's experts.
+    # What arrived: Q rows from each device, for this device's experts.
     recv_RD, recv_R = exchange(send_RD), exchange(local_R)
     order_R, sizes_El, rank_R = _sort_by_expert(recv_R, El)
     out_RD = self._per_assignment(recv_RD, w, recv_R, order_R, sizes_El, rank_R, k=1, E=El, rows=A)
     ys_AD = _gather_rows(exchange(out_RD), slot_A, src_R[:, None])
-    # A weighted sum over k, not an einsum: XLA:CPU would run that as N tiny batched matmuls.
-    return jnp.sum(weights_Nk[..., None] * ys_AD.reshape(N, k, D), axis=1)
+    # A weighted sum over k, not an einsum: XLA:CPU would run that as M tiny batched matmuls.
+    return jnp.sum(weights_Mk[..., None] * ys_AD.reshape(M, k, D), axis=1)
 
   def _grouped(self, xs_AD, w, sizes_E, experts_sorted_A):
     """The expert MLP on rows sorted by expert, one grouped matmul per weight: XLA's
@@ -575,25 +575,25 @@ class MoE(nnx.Module):
     h = self.act(u) if w["gate"] is None else self.act(dot(xs_AD, w["gate"], w["gate_bias"])) * u
     return grouped(h, w["down"], sizes_E)
 
-  def _blocked(self, xs_RD, w, padded_E, Ms):
+  def _blocked(self, xs_RD, w, padded_E, Cs):
     # Expert e owns rows [starts_E[e], starts_E[e] + padded_E[e]); rows past the last expert's
     # hold only zeros and are computed by none.
     starts_E = (jnp.cumsum(padded_E) - padded_E).astype(jnp.int32)
     mlp_w = {n: w[n] for n in ("gate", "up", "down", "gate_bias", "up_bias")}
-    return _expert_mlp(xs_RD, mlp_w, starts_E, _blocks_per_size(padded_E, Ms), Ms, self.act)
+    return _expert_mlp(xs_RD, mlp_w, starts_E, _blocks_per_size(padded_E, Cs), Cs, self.act)
 
-  def _add_aux_losses(self, logits_NE, probs_NE, experts_Nk, mask_N):
+  def _add_aux_losses(self, logits_ME, probs_ME, experts_Mk, mask_M):
     E = self.num_experts
-    mask_N = jnp.ones(logits_NE.shape[:1], jnp.float32) if mask_N is None else mask_N
-    mask_N = mask_N.astype(jnp.float32)
-    routed_NE = jnp.sum(jax.nn.one_hot(experts_Nk, E, dtype=jnp.float32), axis=1)
-    lse_N = jax.nn.logsumexp(logits_NE, axis=-1)
+    mask_M = jnp.ones(logits_ME.shape[:1], jnp.float32) if mask_M is None else mask_M
+    mask_M = mask_M.astype(jnp.float32)
+    routed_ME = jnp.sum(jax.nn.one_hot(experts_Mk, E, dtype=jnp.float32), axis=1)
+    lse_M = jax.nn.logsumexp(logits_ME, axis=-1)
     sums = psum_batch(
       {
-        "count": jnp.sum(mask_N),
-        "routed_E": mask_N @ routed_NE,
-        "prob_E": mask_N @ probs_NE,
-        "z": jnp.sum(mask_N * lse_N**2),
+        "count": jnp.sum(mask_M),
+        "routed_E": mask_M @ routed_ME,
+        "prob_E": mask_M @ probs_ME,
+        "z": jnp.sum(mask_M * lse_M**2),
       }
     )
     count = jnp.maximum(sums["count"], 1.0)
