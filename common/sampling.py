@@ -53,9 +53,9 @@ def _generate(params, prompt_BP, rng, *, graphdef, max_new_tokens, temperature, 
     return (next_B, cache), token_B
 
   rngs = jax.random.split(rng, max_new_tokens - 1)
-  (last_B, _), tokens_NB = jax.lax.scan(step, (first_B, cache), rngs)
-  new_BN = jnp.concatenate([tokens_NB.T, last_B[:, None]], axis=1)
-  return jnp.concatenate([prompt_BP, new_BN.astype(prompt_BP.dtype)], axis=1)
+  (last_B, _), tokens_TB = jax.lax.scan(step, (first_B, cache), rngs)
+  new_BT = jnp.concatenate([tokens_TB.T, last_B[:, None]], axis=1)
+  return jnp.concatenate([prompt_BP, new_BT.astype(prompt_BP.dtype)], axis=1)
 
 
 def _split(model_or_split, *, seq2seq: bool):
@@ -171,8 +171,8 @@ def _generate_seq2seq(
     return (next_B, cache), next_B
 
   xs = (jnp.arange(num_steps), jax.random.split(rng, num_steps))
-  _, inputs_NB = jax.lax.scan(step, (prompt_BP[:, 0], cache), xs)
-  return inputs_NB.T[:, P - 1 :]
+  _, inputs_TB = jax.lax.scan(step, (prompt_BP[:, 0], cache), xs)
+  return inputs_TB.T[:, P - 1 :]
 
 
 def generate_seq2seq(

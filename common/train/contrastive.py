@@ -9,7 +9,7 @@ autodiff's transpose of the all-gather (a reduce-scatter) sends each device the 
 every row's loss with respect to its embeddings. Which axes to gather is read from the arrays'
 varying-axis types, so the step must run with `check_vma=True` (the trainer's does).
 
-P is the projection dim; B this device's rows, N the rows of the global batch.
+P is the projection dim; B this device's rows, G the rows of the global batch.
 """
 
 import jax
@@ -57,20 +57,20 @@ def contrastive_sums(
   image_BP, text_BP = _normalize(image_BP), _normalize(text_BP)
   vary = _varying(image_BP) | _varying(text_BP) | _varying(weights_B)
   axes = tuple(a for a in parallel.BATCH_AXES if a in vary)
-  all_image_NP, all_text_NP = _gather(image_BP, axes), _gather(text_BP, axes)
-  all_weights_N = _gather(weights_B, axes)
+  all_image_GP, all_text_GP = _gather(image_BP, axes), _gather(text_BP, axes)
+  all_weights_G = _gather(weights_B, axes)
   offset = jax.lax.axis_index(axes) * B if axes else 0
   target_B = offset + jnp.arange(B)
-  negative_N = all_weights_N > 0
+  negative_G = all_weights_G > 0
 
-  def cross_entropy(query_BP, keys_NP):
-    logits_BN = logit_scale * jnp.dot(query_BP, keys_NP.T)
+  def cross_entropy(query_BP, keys_GP):
+    logits_BG = logit_scale * jnp.dot(query_BP, keys_GP.T)
     # A finite floor, not -inf, so an all-padding row stays finite (and is weighted 0).
-    logits_BN = jnp.where(negative_N[None, :], logits_BN, -1e9)
-    right_B = jnp.take_along_axis(logits_BN, target_B[:, None], axis=1)[:, 0]
-    return jax.nn.logsumexp(logits_BN, axis=1) - right_B
+    logits_BG = jnp.where(negative_G[None, :], logits_BG, -1e9)
+    right_B = jnp.take_along_axis(logits_BG, target_B[:, None], axis=1)[:, 0]
+    return jax.nn.logsumexp(logits_BG, axis=1) - right_B
 
-  ce_B = (cross_entropy(image_BP, all_text_NP) + cross_entropy(text_BP, all_image_NP)) / 2
+  ce_B = (cross_entropy(image_BP, all_text_GP) + cross_entropy(text_BP, all_image_GP)) / 2
   return jnp.sum(weights_B * ce_B), jnp.sum(weights_B)
 
 

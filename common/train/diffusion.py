@@ -227,9 +227,10 @@ def sample(
 # Measuring samples
 
 
-def nearest_distances(a_NK: np.ndarray, b_MK: np.ndarray, *, exclude_self=False) -> np.ndarray:
-  """Each row of a's Euclidean distance to its nearest row of b (itself excluded if a is b)."""
-  d2 = (a_NK**2).sum(1)[:, None] + (b_MK**2).sum(1)[None, :] - 2 * a_NK @ b_MK.T
+def nearest_distances(a_PX: np.ndarray, b_QX: np.ndarray, *, exclude_self=False) -> np.ndarray:
+  """Each row of a's Euclidean distance to its nearest row of b (itself excluded if a is b):
+  a [P, X] and b [Q, X], P and Q rows of X features (flattened images)."""
+  d2 = (a_PX**2).sum(1)[:, None] + (b_QX**2).sum(1)[None, :] - 2 * a_PX @ b_QX.T
   if exclude_self:
     np.fill_diagonal(d2, np.inf)
   return np.sqrt(np.maximum(d2.min(1), 0.0))
