@@ -1,6 +1,7 @@
 """Config helpers: `--config.KEY=VALUE` overrides with type checks, flattening, comparison."""
 
 import ast
+import functools
 import json
 
 import ml_collections
@@ -8,12 +9,58 @@ import ml_collections
 from nnx_zoo.common.errors import UserError, suggest
 
 
-def preset(presets: dict, name: str, overrides: dict, *, family: str) -> dict:
+def preset_values(presets: dict, name: str, overrides: dict, *, family: str) -> dict:
   """A family's preset (its published dimensions) with flat overrides; an unknown name is a
   UserError naming the close ones."""
   if name not in presets:
     raise UserError(f"Unknown {family} preset {name!r}.{suggest(name, presets)}")
   return {**presets[name], **overrides}
+
+
+class Preset(dict):
+  """A preset's values with their overrides, remembering which keys the family reads."""
+
+  def __init__(self, values: dict):
+    super().__init__(values)
+    self.read: set[str] = set()
+
+  def __getitem__(self, key):
+    self.read.add(key)
+    return super().__getitem__(key)
+
+  def get(self, key, default=None):
+    self.read.add(key)
+    return super().get(key, default)
+
+  def __contains__(self, key):
+    self.read.add(key)
+    return super().__contains__(key)
+
+
+def family_config(presets: dict, *, family: str):
+  """The one preset lookup of every family: decorates `build(p) -> ConfigDict` into the family's
+  `config(preset="tiny", **overrides)`. An unknown preset, and an override that the build never
+  reads (a misspelt key, or one that only applies with other settings), are UserErrors naming
+  the nearest names."""
+
+  def wrap(build):
+    @functools.wraps(build)
+    def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
+      p = Preset(preset_values(presets, preset, overrides, family=family))
+      cfg = build(p)
+      unread = sorted(set(overrides) - p.read)
+      if unread:
+        known = sorted(p.read | set(presets[preset]))
+        raise UserError(
+          f"{family}.config({preset!r}) reads no key {unread[0]!r} (a misspelt key, or one that "
+          f"applies only with other settings).{suggest(unread[0], known)} It reads: "
+          f"{', '.join(known)}."
+        )
+      return cfg
+
+    return config
+
+  return wrap
 
 
 def flatten(cfg, prefix: str = "") -> dict:

@@ -213,3 +213,31 @@ def test_differences_take_keys_added_later_as_their_neutral_value():
   assert config_lib.differences(before_mix, images, within=("data.",)) == []
   images.data.mix = "cutmix"
   assert config_lib.differences(before_mix, images) == ["data.mix: 'none' -> 'cutmix'"]
+
+
+FAMILY_KEYS = {  # a key each family's tiny preset reads, misspelt as users do
+  "llama": "num_kv_heads",
+  "gemma": "num_kv_heads",
+  "gpt2": "num_layers",
+  "bert": "num_layers",
+  "t5": "num_layers",
+  "vit": "num_layers",
+  "whisper": "num_layers",
+  "dit": "num_layers",
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_KEYS))
+def test_a_family_preset_refuses_an_override_it_does_not_read(family):
+  """Every family's config goes through the one preset lookup: a misspelt override is an error
+  naming the key it meant, not a default taken in silence."""
+  from nnx_zoo.common import models
+
+  module = models.family_module(family)
+  key, config = FAMILY_KEYS[family], module.config
+  same = {key: module.PRESETS["tiny"][key]}  # the key is read: its own value changes nothing
+  assert config("tiny", **same).to_dict() == config("tiny").to_dict()
+  with pytest.raises(UserError, match=rf"reads no key '{key[:-1]}'.*Did you mean: {key}"):
+    config("tiny", **{key[:-1]: 1})
+  with pytest.raises(UserError, match=f"Unknown {family} preset 'tinyy'"):
+    config("tinyy")

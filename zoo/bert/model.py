@@ -32,11 +32,11 @@ PRESETS = {
 # fmt: on
 
 
-def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
+@config_lib.family_config(PRESETS, family="bert")
+def config(p: dict) -> ml_collections.ConfigDict:
   """The model config of a preset, with flat overrides: the keys of PRESETS' entries, and
   max_len (512), type_vocab_size (2), norm_eps (1e-12), activation ("gelu_exact", BERT's gelu),
   pooler (True), num_labels (0: no classifier head; as HF's BertForSequenceClassification)."""
-  p = config_lib.preset(PRESETS, preset, overrides, family="bert")
   return transformer.config(
     family="bert",
     vocab_size=p["vocab_size"],

@@ -8,7 +8,7 @@ c = MLP(sinusoid(t)) + class table[label]   (label = num_classes: the null class
 
 import ml_collections
 
-from nnx_zoo.common.errors import UserError, suggest
+from nnx_zoo.common import config as config_lib
 from nnx_zoo.common.nn import attention, conditioning, denoiser, mlp, norms, position, transformer
 
 # Published dimensions (the paper's Table 1, facebookresearch/DiT's models.py): all on 256 x 256
@@ -27,15 +27,13 @@ PRESETS = {
 # fmt: on
 
 
-def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
+@config_lib.family_config(PRESETS, family="dit")
+def config(p: dict) -> ml_collections.ConfigDict:
   """The model config of a preset, with flat overrides: the keys of PRESETS' entries, and
   hidden_dim (4 * dim), norm_eps (1e-6, both block norms and the final one), mlp_norm_eps (the
   MLP's norm where it differs: diffusers' `norm_eps`, 1e-5 by default), frequency_dim (256),
   freq_shift (1, diffusers' timestep frequencies, which its converted DiT checkpoints run with
   and which export needs; the paper's code has 0) and activation ("gelu": tanh GELU, DiT's)."""
-  if preset not in PRESETS:
-    raise UserError(f"Unknown dit preset {preset!r}.{suggest(preset, PRESETS)}")
-  p = {**PRESETS[preset], **overrides}
   D, eps = p["dim"], p.get("norm_eps", 1e-6)
   extra = {}
   if p.get("mlp_norm_eps", eps) != eps:

@@ -53,11 +53,11 @@ PRESETS = {
 PATTERNS = {2: ("sliding", "full"), 3: ("sliding",) * 5 + ("full",)}
 
 
-def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
+@config_lib.family_config(PRESETS, family="gemma")
+def config(p: dict) -> ml_collections.ConfigDict:
   """The model config of a preset, with flat overrides: the keys of PRESETS' entries (version
   2 or 3 picks the arrangement; local_rope_theta is Gemma 3's sliding layers' theta), and
   norm_eps (1e-6), layer_pattern (a tuple of "sliding"/"full")."""
-  p = config_lib.preset(PRESETS, preset, overrides, family="gemma")
   if p["version"] not in PATTERNS:
     raise UserError(f"gemma version {p['version']!r}: use 2 or 3.")
   scaling = position.rope_scaling(**p.get("rope_scaling", {"kind": "none"}))

@@ -23,11 +23,11 @@ PRESETS = {
 # fmt: on
 
 
-def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
+@config_lib.family_config(PRESETS, family="gpt2")
+def config(p: dict) -> ml_collections.ConfigDict:
   """The model config of a preset, with flat overrides: the keys of PRESETS' entries, and
   hidden_dim (4 * dim), norm_eps (1e-5), activation ("gelu", GPT-2's gelu_new), tie_embeddings
   (True)."""
-  p = config_lib.preset(PRESETS, preset, overrides, family="gpt2")
   return transformer.config(
     family="gpt2",
     vocab_size=p["vocab_size"],

@@ -58,12 +58,12 @@ PRESETS = {
 # fmt: on
 
 
-def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
+@config_lib.family_config(PRESETS, family="llama")
+def config(p: dict) -> ml_collections.ConfigDict:
   """The model config of a preset, with flat overrides (the keys of PRESETS' entries, and
   out_bias, mlp_bias, head_dim; with num_experts > 0 the MLP is a mixture of experts: top_k,
   norm_topk_prob (True), router_aux_coef, router_z_coef, shared_hidden_dim, shared_gate,
   capacity_factor (0: dropless), moe_impl)."""
-  p = config_lib.preset(PRESETS, preset, overrides, family="llama")
   scaling = dict(p.get("rope_scaling", {"kind": "none"}))
   return transformer.config(
     family="llama",

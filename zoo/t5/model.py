@@ -16,7 +16,7 @@ GELU-tanh gated ("gated-gelu", transformers' gelu_new: our "geglu").
 
 import ml_collections
 
-from nnx_zoo.common.errors import UserError, suggest
+from nnx_zoo.common import config as config_lib
 from nnx_zoo.common.nn import attention, mlp, norms, position, transformer
 
 # Published dimensions (each model's config.json on the Hugging Face hub). Parameter counts, as
@@ -39,14 +39,12 @@ PRESETS = {
 # fmt: on
 
 
-def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
+@config_lib.family_config(PRESETS, family="t5")
+def config(p: dict) -> ml_collections.ConfigDict:
   """The model config of a preset, with flat overrides: the keys of PRESETS' entries, and
   num_decoder_layers (num_layers), num_buckets (32), max_distance (128), norm_eps (1e-6),
   output_scale ("rsqrt_dim" if tie_embeddings, else "none": transformers'
   scale_decoder_outputs), decoder_start_id (0, T5's pad id)."""
-  if preset not in PRESETS:
-    raise UserError(f"Unknown t5 preset {preset!r}.{suggest(preset, PRESETS)}")
-  p = {**PRESETS[preset], **overrides}
 
   def relative(bidirectional: bool):
     return position.config(

@@ -8,7 +8,8 @@ images [B, S, S, C] in [0, 1] -> (x - 0.5) / 0.5 -> patches (Conv2d as one matmu
 
 import ml_collections
 
-from nnx_zoo.common.errors import UserError, suggest
+from nnx_zoo.common import config as config_lib
+from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import attention, mlp, norms, position, transformer
 
 # Published dimensions (each model's config.json on the Hugging Face hub).
@@ -32,15 +33,13 @@ PRESETS = {
 # fmt: on
 
 
-def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
+@config_lib.family_config(PRESETS, family="vit")
+def config(p: dict) -> ml_collections.ConfigDict:
   """The model config of a preset, with flat overrides: the keys of PRESETS' entries, and
   channels (3), norm_eps (1e-12), activation ("gelu_exact", HF's "gelu"), qkv_bias (True),
   pixel_mean and pixel_std ((0.5,) * channels: HF's ViTImageProcessor's), pool ("token": the
   class token, as HF's; "mean": no class token, the mean of the patches' final states, big_vision's
   "gap", which HF's ViT does not have)."""
-  if preset not in PRESETS:
-    raise UserError(f"Unknown vit preset {preset!r}.{suggest(preset, PRESETS)}")
-  p = {**PRESETS[preset], **overrides}
   channels, pool = p.get("channels", 3), p.get("pool", "token")
   if pool not in ("token", "mean"):
     raise UserError(f"Unknown vit pool {pool!r}: use 'token' or 'mean'.")

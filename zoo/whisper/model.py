@@ -15,7 +15,7 @@ linear layer of the MLP has a bias; GELU is the exact one (HF's "gelu").
 
 import ml_collections
 
-from nnx_zoo.common.errors import UserError, suggest
+from nnx_zoo.common import config as config_lib
 from nnx_zoo.common.nn import attention, mlp, norms, position, transformer
 
 # Published dimensions (each openai/whisper-* config.json on the Hugging Face hub). Parameter
@@ -23,7 +23,8 @@ from nnx_zoo.common.nn import attention, mlp, norms, position, transformer
 # encoder's fixed sinusoids, a frozen [1500, D] weight, included; the zoo computes them, so its
 # own count is 1500 x D less: tests/zoo/whisper/test_whisper_model.py).
 # fmt: off
-AUDIO = dict(mels=80, audio_frames=3000, max_target_len=448, vocab_size=51865)
+AUDIO = dict(mels=80, audio_frames=3000, max_target_len=448, vocab_size=51865,
+             decoder_start_id=50258)
 PRESETS = {
     "whisper-tiny": dict(AUDIO, dim=384, num_layers=4, num_heads=6, hidden_dim=1536),
     "whisper-base": dict(AUDIO, dim=512, num_layers=6, num_heads=8, hidden_dim=2048),
@@ -37,7 +38,7 @@ PRESETS = {
                                    mels=128, vocab_size=51866, num_decoder_layers=4),
     # Tiny shapes for smoke runs and tests: 1 s of audio (100 frames), a byte-sized vocabulary.
     "tiny": dict(mels=80, audio_frames=100, max_target_len=32, vocab_size=64, dim=64,
-                 num_layers=2, num_heads=4, hidden_dim=128),
+                 num_layers=2, num_heads=4, hidden_dim=128, decoder_start_id=1),
 }
 # fmt: on
 # transformers' counts of the published presets (see above).
@@ -52,14 +53,12 @@ HF_PARAMS = {
 }
 
 
-def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
+@config_lib.family_config(PRESETS, family="whisper")
+def config(p: dict) -> ml_collections.ConfigDict:
   """The model config of a preset, with flat overrides: the keys of PRESETS' entries (mels: the
   log-mel bins; audio_frames: the frames of the longest input, 3000 = 30 s at 100 a second; the
   encoder sees half as many), and num_decoder_layers (num_layers), norm_eps (1e-5),
   decoder_start_id (50258, <|startoftranscript|>; the tiny preset's 1)."""
-  if preset not in PRESETS:
-    raise UserError(f"Unknown whisper preset {preset!r}.{suggest(preset, PRESETS)}")
-  p = {**PRESETS[preset], **overrides}
   frames = transformer.frame_inputs(channels=p["mels"], width=3, strides=(1, 2))
   H = p["dim"] // p["num_heads"]
   return transformer.config(
@@ -87,7 +86,7 @@ def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
     shared_embeddings=True,
     tie_embeddings=True,
     output_scale="none",
-    decoder_start_id=p.get("decoder_start_id", 1 if preset == "tiny" else 50258),
+    decoder_start_id=p["decoder_start_id"],
   )
 
 
