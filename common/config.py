@@ -147,6 +147,8 @@ ADDED_LATER = {
   "model.num_labels": 0,
   "model.scan": False,
   "model.drop_path": 0.0,
+  "model.quant": "none",
+  "model.quant_backward": True,
   "data.train_plays": "",
   "data.eval_fraction": 0.0,
   "data.mix": "none",

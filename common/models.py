@@ -15,11 +15,12 @@ from flax import nnx
 
 from nnx_zoo import zoo
 from nnx_zoo.common.errors import UserError, suggest
-from nnx_zoo.common.nn import lora, memory
+from nnx_zoo.common.nn import lora, memory, quant
 
 # The model keys that say how a model is computed in training, not what it is: a workdir or a
-# checkpoint matches its model whatever they were (the memory levers; stochastic depth).
-HOW_TRAINED = (*memory.LEVERS, "model.drop_path")
+# checkpoint matches its model whatever they were (the memory levers; quantized matmuls;
+# stochastic depth).
+HOW_TRAINED = (*memory.LEVERS, *quant.LEVERS, "model.drop_path")
 
 
 @functools.cache

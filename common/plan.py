@@ -36,16 +36,36 @@ class Chip:
   kind: str  # jax's device_kind, as `nnx_zoo.common.mesh.hardware_name` reads it
   cores_per_chip: int  # what the Cloud name counts: v4 and v5p name TensorCores, two a chip
   dims: int  # 3-D torus (v4, v5p) or 2-D (v5e, v6e)
+  # int8 x int8 ops/s (model.quant=int8's products): "Peak compute per chip (Int8)" of
+  # cloud.google.com/tpu/docs/v5e (393 TOPs) and /tpu/docs/v6e (1836 TOPs). The v4 page gives
+  # one figure for bf16 and int8, and the v5p page none for int8: there it is the bf16 peak.
+  int8_peak: float = 0.0
+
+  @property
+  def int8(self) -> float:
+    return self.int8_peak or self.peak
 
 
 CHIPS = {
   "v4": Chip(hbm=32 * GiB, peak=275e12, bandwidth=1200e9, kind="TPU v4", cores_per_chip=2, dims=3),
   "v5e": Chip(
-    hbm=16 * GiB, peak=197e12, bandwidth=819e9, kind="TPU v5 lite", cores_per_chip=1, dims=2
+    hbm=16 * GiB,
+    peak=197e12,
+    bandwidth=819e9,
+    kind="TPU v5 lite",
+    cores_per_chip=1,
+    dims=2,
+    int8_peak=393e12,
   ),
   "v5p": Chip(hbm=95 * GiB, peak=459e12, bandwidth=2765e9, kind="TPU v5", cores_per_chip=2, dims=3),
   "v6e": Chip(
-    hbm=32 * GiB, peak=918e12, bandwidth=1640e9, kind="TPU v6 lite", cores_per_chip=1, dims=2
+    hbm=32 * GiB,
+    peak=918e12,
+    bandwidth=1640e9,
+    kind="TPU v6 lite",
+    cores_per_chip=1,
+    dims=2,
+    int8_peak=1836e12,
   ),
 }
 ALIASES = {"v5litepod": "v5e"}  # the Cloud API's name for v5e slices
@@ -242,6 +262,33 @@ def kernel_flops(cfg) -> tuple[float, str]:
   return flops, ("splash attention, outside XLA's counts" if flops else "")
 
 
+def int8_flops(cfg) -> tuple[float, str]:
+  """FLOPs of the step's int8 products (`model.quant=int8`, common/nn/quant.py): 2 per weight
+  of each quantized projection per token, in the forward (twice with `model.remat=full`, which
+  recomputes it) and, with `model.quant_backward`, in both gradients. (0, "") otherwise."""
+  from flax import nnx
+
+  from nnx_zoo.common import models
+  from nnx_zoo.common.nn.linear import Linear
+
+  m = cfg.model
+  if m.get("quant", "none") != "int8":
+    return 0.0, ""
+  weights = sum(
+    int(x.kernel.size)
+    for _, x in nnx.iter_graph(models.abstract(m))
+    if isinstance(x, Linear) and x.quant is not None
+  )
+  passes = ["forward"]
+  if m.get("remat", "none") == "full":
+    passes.append("its recomputation")
+  if m.get("quant_backward", True):
+    passes += ["input gradient", "weight gradient"]
+  tokens = cfg.train.batch_size * sequence(cfg)
+  how = f"int8 products ({', '.join(passes)}) at the chip's int8 peak"
+  return 2.0 * len(passes) * weights * tokens, how
+
+
 _OOM = re.compile(
   r"required for HLO temporaries \(([\d.]+)([KMGT]?)\).*available HBM \(([\d.]+)([KMGT]?)\)"
 )
@@ -347,6 +394,7 @@ def plan(cfg, topology: str | Topology, *, estimate_time: bool = True) -> dict:
     "seq_len": sequence(cfg),
     "micro_batches": cfg.train.micro_batches,
     "remat": cfg.model.get("remat", "none"),
+    "quant": cfg.model.get("quant", "none"),
     "hbm_bytes": topo.chip.hbm,
   }
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
@@ -396,23 +444,38 @@ def plan(cfg, topology: str | Topology, *, estimate_time: bool = True) -> dict:
   start = time.perf_counter()
   cost = estimate_cost(cfg, layout, compiled)
   result["estimate_s"] = time.perf_counter() - start
-  result["compiler_flops_per_device"] = cost["flops"]
-  result["bytes_accessed_per_device"] = cost["bytes accessed"]
+  result.update(roofline(cfg, topo, cost))
+  return result
+
+
+def roofline(cfg, topo: Topology, cost: dict) -> dict:
+  """The step's time from its per-device cost (`estimate_cost`): the compiler's FLOPs and bytes,
+  the Mosaic kernels' FLOPs, each at the chip's peak, with tokens/s and MFU (the model's FLOPs
+  over the chips' bf16 peak)."""
+  out = {
+    "compiler_flops_per_device": cost["flops"],
+    "bytes_accessed_per_device": cost["bytes accessed"],
+  }
   # Mosaic kernels are opaque to the cost analysis; their work is spread evenly over the chips
   # (batch rows over data x fsdp x expert, heads over tensor).
   extra, what = kernel_flops(cfg)
-  result["kernel_flops_per_device"], result["kernel_flops_how"] = extra / topo.chips, what
+  out["kernel_flops_per_device"], out["kernel_flops_how"] = extra / topo.chips, what
   cost = dict(cost, flops=cost["flops"] + extra / topo.chips)
   # XLA:TPU's own `optimal_seconds` comes out negative for full-size steps (measured: -1.8 s for
   # one Llama 3 8B layer), so the time is a roofline of its counts instead: each device at peak
-  # FLOP/s or at full HBM bandwidth, whichever is slower; collectives are not counted.
-  result["xla_optimal_seconds"] = cost["optimal_seconds"]
-  seconds = max(cost["flops"] / topo.chip.peak, cost["bytes accessed"] / topo.chip.bandwidth)
-  result["step_s"] = seconds if seconds > 0 else None
-  if result["step_s"]:
-    result["tokens_per_s"] = cfg.train.batch_size * sequence(cfg) / seconds
-    result["mfu"] = flops / (seconds * topo.chips * topo.chip.peak)
-  return result
+  # FLOP/s or at full HBM bandwidth, whichever is slower; collectives are not counted. The
+  # cost analysis counts an int8 product's FLOPs as any other's: those run at the int8 peak.
+  out["xla_optimal_seconds"] = cost["optimal_seconds"]
+  int8, int8_how = int8_flops(cfg)
+  int8 = min(int8 / topo.chips, cost["flops"])
+  out["int8_flops_per_device"], out["int8_flops_how"] = int8, int8_how
+  compute = (cost["flops"] - int8) / topo.chip.peak + int8 / topo.chip.int8
+  seconds = max(compute, cost["bytes accessed"] / topo.chip.bandwidth)
+  out["step_s"] = seconds if seconds > 0 else None
+  if out["step_s"]:
+    out["tokens_per_s"] = cfg.train.batch_size * sequence(cfg) / seconds
+    out["mfu"] = model_flops(cfg)[0] / (seconds * topo.chips * topo.chip.peak)
+  return out
 
 
 def fixes(cfg, sizes: dict[str, int]) -> list[str]:
@@ -473,7 +536,8 @@ def format(result: dict) -> str:  # noqa: A001 (the module's formatter, as `plan
     f"hardware name {r['hardware']})",
     f"  mesh rule      {r['mesh_rule'] or 'none'}",
     f"  mesh           {mesh_txt}; batch {r['batch_size']} x {r['seq_len']} tokens, "
-    f"micro_batches {r['micro_batches']}, remat {r['remat']}",
+    f"micro_batches {r['micro_batches']}, remat {r['remat']}"
+    + (f", quant {r['quant']}" if r.get("quant", "none") != "none" else ""),
     f"  memory/device  params {_gib(r['param_bytes'])}, optimizer {_gib(r['optimizer_bytes'])}, "
     f"temporaries {_gib(r['temp_bytes'])}; total {_gib(r['total_bytes'])} of "
     f"{_gib(r['hbm_bytes'])} HBM: {'fits' if r['fits'] else 'DOES NOT FIT'}",
@@ -488,6 +552,8 @@ def format(result: dict) -> str:  # noqa: A001 (the module's formatter, as `plan
     )
     if r.get("kernel_flops_per_device"):
       compiler += f" + {r['kernel_flops_per_device']:.3g} ({r['kernel_flops_how']})"
+    if r.get("int8_flops_per_device"):
+      compiler += f", of which {r['int8_flops_per_device']:.3g} {r['int8_flops_how']}"
     lines.append(
       f"  FLOPs          model {r['model_flops']:.3g}/step ({r['model_flops_how']}){compiler}"
     )

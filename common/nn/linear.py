@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_zoo.common import parallel
+from nnx_zoo.common.nn import quant
 
 Axes = tuple[str | None, ...]
 
@@ -23,7 +24,8 @@ class Linear(nnx.Module):
 
   XLA:CPU computes the weight gradient of a 3-D `x @ W` about 4x slower than the 2-D form (see
   DESIGN.md), so every leading dim is flattened into one before the dot. `axes` are the logical
-  names of the kernel dims (the legend in DESIGN.md), read by the sharding rules.
+  names of the kernel dims (the legend in DESIGN.md), read by the sharding rules. `quant` (set
+  by the stack from `model.quant`, common/nn/quant.py) multiplies in int8 or fp8.
   """
 
   def __init__(
@@ -47,12 +49,14 @@ class Linear(nnx.Module):
       nnx.Param(jnp.zeros((out_features,), param_dtype), axes=axes[1:]) if use_bias else None
     )
     self.lora = nnx.data(None)  # a low-rank adapter, added by common.lora.apply if configured
+    self.quant: quant.Quant | None = None  # float unless the stack quantizes this projection
 
   def __call__(self, x: jax.Array) -> jax.Array:
     *lead, d = x.shape
     kernel = parallel.gather(self.kernel[...], self.axes).astype(self.dtype)
     x = x.reshape(-1, d).astype(self.dtype)
-    y = parallel.reduce(jnp.dot(x, kernel), self.axes[0])
+    y = jnp.dot(x, kernel) if self.quant is None else quant.dot(x, kernel, self.quant)
+    y = parallel.reduce(y, self.axes[0])
     if self.lora is not None:
       y = y + self.lora(x)
     if self.bias is not None:

@@ -50,6 +50,7 @@ from nnx_zoo.common.nn import (
   noise,
   norms,
   position,
+  quant,
 )
 from nnx_zoo.common.nn.linear import Embedding, Linear, dtypes, normal
 from nnx_zoo.common.nn.patch import ConvStem, PatchEmbed, stem_length
@@ -107,6 +108,10 @@ def config(
       "init_std": init_std,
       "remat": "none",  # or "full", "save_dots": recompute activations in the backward pass
       "scan": False,  # True: one compiled body (a repetition of the pattern) run by lax.scan
+      # The projections of attention and the MLP multiplied in "int8" or "fp8" (common/nn/quant.py),
+      # and with quant_backward their gradients' products too.
+      "quant": "none",
+      "quant_backward": True,
       "lora": lora.config(),  # rank > 0: low-rank adapters, base weights frozen
       "dtype": "float32",
       "param_dtype": "float32",
@@ -331,6 +336,13 @@ class Block(nnx.Module):
       else None
     )
     self.cross_out_norm = norms.make(cfg.norm, D, **dt) if cross and both else None
+    # model.quant: the sub-layers' projections multiply in int8 or fp8; the modulation's and
+    # every other Linear of the model stay in the compute dtype (common/nn/quant.py).
+    if (how := quant.settings(cfg)) is not None:
+      for sub in [s for s in (self.attn, self.cross_attn, self.mlp) if s is not None]:
+        for _, m in nnx.iter_graph(sub):
+          if isinstance(m, Linear):
+            m.quant = how
 
   def __call__(
     self,

@@ -48,8 +48,8 @@ TOWER_KEYS = ("dim", "num_layers", "num_heads", "hidden_dim")
 TEXT_KEYS = (*TOWER_KEYS, "vocab_size", "max_len")
 VISION_KEYS = (*TOWER_KEYS, "image_size", "patch", "channels", "pixel_mean", "pixel_std")
 # What the towers share, held once at the top of the model config (the memory levers and
-# dtypes the trainer sets as model.remat, model.scan, ...).
-SHARED = ("remat", "scan", "lora", "dtype", "param_dtype")
+# dtypes the trainer sets as model.remat, model.scan, model.quant...).
+SHARED = ("remat", "scan", "quant", "quant_backward", "lora", "dtype", "param_dtype")
 
 
 def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
