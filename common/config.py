@@ -10,11 +10,19 @@ from nnx_zoo.common.errors import UserError, suggest
 
 
 def preset_values(presets: dict, name: str, overrides: dict, *, family: str) -> dict:
-  """A family's preset (its published dimensions) with flat overrides; an unknown name is a
+  """A family's preset (its published dimensions) with overrides; an unknown name is a
   UserError naming the close ones."""
   if name not in presets:
     raise UserError(f"Unknown {family} preset {name!r}.{suggest(name, presets)}")
-  return {**presets[name], **overrides}
+  base = presets[name]
+  # A nested entry (CLIP's towers) takes the keys it is given and keeps the others.
+  return {
+    **base,
+    **{
+      k: {**base[k], **v} if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+      for k, v in overrides.items()
+    },
+  }
 
 
 class Preset(dict):

@@ -224,6 +224,7 @@ FAMILY_KEYS = {  # a key each family's tiny preset reads, misspelt as users do
   "vit": "num_layers",
   "whisper": "num_layers",
   "dit": "num_layers",
+  "clip": "projection_dim",
 }
 
 

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from nnx_zoo.common.errors import UserError, suggest
+from nnx_zoo.common import config as config_lib
+from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import attention, lora, mlp, norms, position, transformer
 from nnx_zoo.common.nn.linear import Linear, dtypes
 
@@ -52,17 +53,14 @@ VISION_KEYS = (*TOWER_KEYS, "image_size", "patch", "channels", "pixel_mean", "pi
 SHARED = ("remat", "scan", "quant", "quant_backward", "lora", "dtype", "param_dtype")
 
 
-def config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
+@config_lib.family_config(PRESETS, family="clip")
+def config(p: dict) -> ml_collections.ConfigDict:
   """The model config of a preset, with overrides: projection_dim, `text` and `vision` (dicts of
   the presets' tower keys; vision also channels, pixel_mean, pixel_std (OpenAI's)), and
   end_token (-1: the text tower pools at each row's largest id, as OpenAI's tokenizer makes its
   end token the largest, and HF's CLIP with eos_token_id 2; else the first `end_token`),
   activation ("quick_gelu"), norm_eps (1e-5), logit_scale_init (ln(1 / 0.07))."""
-  if preset not in PRESETS:
-    raise UserError(f"Unknown clip preset {preset!r}.{suggest(preset, PRESETS)}")
-  p = {**PRESETS[preset], **overrides}
-  text = {**PRESETS[preset]["text"], **overrides.get("text", {})}
-  vision = {**PRESETS[preset]["vision"], **overrides.get("vision", {})}
+  text, vision = p["text"], p["vision"]
   for name, given, known in (("text", text, TEXT_KEYS), ("vision", vision, VISION_KEYS)):
     unknown = sorted(set(given) - set(known))
     if unknown:
