@@ -53,7 +53,7 @@ RULES = {
   "V": "tensor",
   "E": "expert",  # an MoE layer's experts
 }
-# The leading dim of a stacked parameter (model.scan, common/nn/memory.py): no mesh axis.
+# The leading dim of a stacked parameter (model.scan, common/nn/stacking.py): no mesh axis.
 LAYERS = "L"
 # The batch's rows are split over every axis but context and tensor (expert too: each device
 # routes its own tokens); the tokens of a language model's rows over context as well.

@@ -47,7 +47,7 @@ def _cpu_only(request):
 def scanned_copy():
   """`scanned_copy(zoo, out)`: a copy at `out` of the zoo checkpoint `zoo` (a `zoo convert`
   output) whose model has `model.scan` on and whose params are stored stacked, as a scanned
-  run saves them (nnx_zoo.common.nn.memory)."""
+  run saves them (nnx_zoo.common.nn.stacking)."""
   import shutil
 
   import jax.numpy as jnp
@@ -55,13 +55,13 @@ def scanned_copy():
 
   from nnx_zoo.common import models
   from nnx_zoo.common.hub import checkpoint, weights
-  from nnx_zoo.common.nn import memory
+  from nnx_zoo.common.nn import stacking
 
   def copy(zoo, out):
     zoo, out = str(zoo), str(out)
     cfg, params, meta = weights.read_zoo(zoo)
     cfg.scan = True
-    params = memory.match_layers(params, nnx.state(models.abstract(cfg), nnx.Param))
+    params = stacking.match_layers(params, nnx.state(models.abstract(cfg), nnx.Param))
     assert "stacked" in params, "too few layers to stack"
     shutil.copytree(zoo, out, ignore=shutil.ignore_patterns("checkpoints"))
     ckpts = checkpoint.Checkpoints(out, keep=1)

@@ -23,7 +23,7 @@ from flax import nnx
 
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.files import warn
-from nnx_zoo.common.nn import memory
+from nnx_zoo.common.nn import stacking
 
 
 def directory(workdir: str) -> str:
@@ -62,7 +62,7 @@ class Checkpoints:
     of a `zoo convert` checkpoint, which holds nothing else.
 
     The layers are converted to the layout of `abstract_state` where the step stores them
-    otherwise (`model.scan` stacks them, common/nn/memory.py): a checkpoint of a scanned run
+    otherwise (`model.scan` stacks them, common/nn/stacking.py): a checkpoint of a scanned run
     restores into an unscanned model and the reverse, optimizer moments included.
 
     A train state whose `ema` (train.ema) the step was saved without gets one that starts at
@@ -83,9 +83,9 @@ class Checkpoints:
           return dataclasses.replace(state, ema=jax.tree.map(jnp.copy, state.params))
         warn(f"Step {step} holds a moving average of the weights that train.ema=0 drops.")
         return dataclasses.replace(state, ema=None)
-    want = memory.layouts(k for k, _ in nnx.to_flat_state(_params(abstract_state)))
-    have = memory.layouts(p[1:] for p in paths if p and p[0] == "params")
-    target = abstract_state if have == want else memory.relayout(abstract_state, have)
+    want = stacking.layouts(k for k, _ in nnx.to_flat_state(_params(abstract_state)))
+    have = stacking.layouts(p[1:] for p in paths if p and p[0] == "params")
+    target = abstract_state if have == want else stacking.relayout(abstract_state, have)
     if isinstance(target, dict):
       restore_args = ocp.checkpoint_utils.construct_restore_args(target)
       args = ocp.args.PyTreeRestore(target, restore_args, partial_restore=True)
@@ -97,7 +97,7 @@ class Checkpoints:
       restore_iterator(os.path.join(self.path, str(step), "data"), data_iterator)
     if have == want:
       return state
-    state = memory.relayout(state, want)
+    state = stacking.relayout(state, want)
     # Placed as the caller asked (the converted arrays are wherever the conversion left them).
     return jax.tree.map(
       lambda x, a: x if getattr(a, "sharding", None) is None else jax.device_put(x, a.sharding),

@@ -30,7 +30,7 @@ from flax import nnx
 from nnx_zoo.common import models
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub.keymap import Rule, hf_names
-from nnx_zoo.common.nn import memory
+from nnx_zoo.common.nn import stacking
 
 TOKENIZER_FILES = (
   "tokenizer.json",
@@ -84,13 +84,13 @@ def _path(dotted: str) -> tuple:
 def _abstract_params(cfg) -> dict[str, nnx.Param]:
   """The model's parameters by dotted path, one tree per layer (`blocks.3.attn.q.kernel`):
   the key maps name each layer's, whether `model.scan` stores them stacked or not."""
-  state = memory.unstack_layers(nnx.state(models.abstract(cfg), nnx.Param))
+  state = stacking.unstack_layers(nnx.state(models.abstract(cfg), nnx.Param))
   return {".".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
 
 
 def _stacked_as(cfg) -> dict:
-  """The stacks the model of `cfg` stores stacked (`memory.layouts`)."""
-  return memory.layouts(k for k, _ in nnx.to_flat_state(nnx.state(models.abstract(cfg))))
+  """The stacks the model of `cfg` stores stacked (`stacking.layouts`)."""
+  return stacking.layouts(k for k, _ in nnx.to_flat_state(nnx.state(models.abstract(cfg))))
 
 
 def _checked_rules(cfg, mod, names=None) -> tuple[list[Rule], dict[str, nnx.Param]]:
@@ -270,13 +270,13 @@ def from_hf(cfg, mod, tensors: SafeTensors, *, src: str) -> tuple[nnx.State, lis
     values = rule.to_zoo(*(jnp.asarray(tensors.get(found[n])) for n in hf_names(rule)))
     for z, value in zip(rule.zoo, values, strict=True):
       flat.append((_path(z), want[z].replace(value.astype(param_dtype))))
-  return memory.stack_layers(nnx.from_flat_state(flat), _stacked_as(cfg)), skipped
+  return stacking.stack_layers(nnx.from_flat_state(flat), _stacked_as(cfg)), skipped
 
 
 def to_hf(cfg, mod, params: nnx.State) -> dict[str, jax.Array]:
   """HF tensors (named as the rules name them) of zoo params."""
   rules, want = _checked_rules(cfg, mod)
-  have = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(memory.unstack_layers(params))}
+  have = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(stacking.unstack_layers(params))}
   missing = sorted(set(want) - set(have))
   if missing:
     raise UserError(f"The checkpoint lacks the parameters {missing[:10]}.")

@@ -28,7 +28,7 @@ from nnx_zoo.common.hub.hf import (
   read_hf,
   to_hf,
 )
-from nnx_zoo.common.nn import lora, memory
+from nnx_zoo.common.nn import lora, stacking
 
 
 def is_zoo_checkpoint(path: str) -> bool:
@@ -134,7 +134,7 @@ def restore_params(cfg, workdir: str, layout=None) -> tuple[nnx.GraphDef, nnx.St
 def init_params(cfg, params: nnx.State) -> nnx.State:
   """`params` (arrays, or abstract ShapeDtypeStructs) with the weights of `init_from` (a zoo
   run's workdir, a `zoo convert` output or a Hugging Face directory) in their place, one tree
-  per layer (`memory.unstack_layers`) whatever the layout of `params` or of the checkpoint.
+  per layer (`stacking.unstack_layers`) whatever the layout of `params` or of the checkpoint.
 
   Every parameter of the model must come from the checkpoint with its shape, except LoRA
   adapters and what `init_reinit` names (a new head, a resized vocab), which keep their fresh
@@ -151,8 +151,8 @@ def init_params(cfg, params: nnx.State) -> nnx.State:
   reinit = lora.patterns(cfg.get("init_reinit", ""))
   # Compared and named one tree per layer (`blocks.3.attn.q`), whether either side stores its
   # layers stacked (model.scan): the result is in that layout too.
-  want = dict(nnx.to_flat_state(memory.unstack_layers(params)))
-  got = dict(nnx.to_flat_state(memory.unstack_layers(loaded)))
+  want = dict(nnx.to_flat_state(stacking.unstack_layers(params)))
+  got = dict(nnx.to_flat_state(stacking.unstack_layers(loaded)))
 
   def fresh(key) -> bool:
     return isinstance(want.get(key), lora.LoRAParam) or lora.matches(_dotted(key), reinit)

@@ -20,7 +20,7 @@ from flax import nnx
 
 from nnx_zoo.common import parallel
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import memory
+from nnx_zoo.common.nn import stacking
 from nnx_zoo.common.nn.linear import Linear
 
 
@@ -93,9 +93,9 @@ def _per_layer(model: nnx.Module) -> dict[str, tuple[Linear, int | None]]:
     ids = np.empty(kernel.shape[0] if stacked else (), object)
     for r in np.ndindex(ids.shape):
       ids[r] = (len(linears), r[0] if stacked else None)
-    stand_ins.append((tuple(memory.path_key(p) for p in path.split(".")) + ("kernel",), ids))
+    stand_ins.append((tuple(stacking.path_key(p) for p in path.split(".")) + ("kernel",), ids))
     linears.append(lin)
-  flat = nnx.to_flat_state(memory.unstack_layers(nnx.from_flat_state(stand_ins)))
+  flat = nnx.to_flat_state(stacking.unstack_layers(nnx.from_flat_state(stand_ins)))
   out = {}
   for k, ids in sorted(flat, key=lambda kv: kv[0]):
     n, r = ids[()] if isinstance(ids, np.ndarray) else ids
@@ -144,7 +144,7 @@ def apply(model: nnx.Module, cfg, *, seed: int = 0) -> nnx.Module:
         "model.scan=False."
       )
     else:
-      lin.lora = memory.stack_modules([by_layer[r] for r in sorted(by_layer)])
+      lin.lora = stacking.stack_modules([by_layer[r] for r in sorted(by_layer)])
   return model
 
 

@@ -51,6 +51,7 @@ from nnx_zoo.common.nn import (
   norms,
   position,
   quant,
+  stacking,
 )
 from nnx_zoo.common.nn.linear import Embedding, Linear, dtypes, normal
 from nnx_zoo.common.nn.patch import ConvStem, PatchEmbed, stem_length
@@ -456,12 +457,12 @@ class _Stack(nnx.Module):
     blocks = [Block(layer_config(cfg, i), rngs=rngs) for i in range(cfg.num_layers)]
     self.remat, self.scan = cfg.get("remat", "none"), cfg.get("scan", False)
     self.period = _period(cfg)
-    # Scanned, the layers are stored stacked (common/nn/memory.py: `stacked`, one module per
+    # Scanned, the layers are stored stacked (common/nn/stacking.py: `stacked`, one module per
     # slot of the pattern, then the `rest`); built one by one first, so the values are those of
     # the unscanned model of the same seed.
-    reps = memory.stacks(cfg.num_layers, self.period) if self.scan else 0
+    reps = stacking.stacks(cfg.num_layers, self.period) if self.scan else 0
     if reps:
-      self.stacked = nnx.List(memory.stack_blocks(blocks, self.period))
+      self.stacked = nnx.List(stacking.stack_blocks(blocks, self.period))
       self.rest = nnx.List(blocks[reps * self.period :])
       self.blocks = None
     else:
@@ -472,13 +473,13 @@ class _Stack(nnx.Module):
     """Layer i as one block (of a stacked stack, a view on its slice of the stacks)."""
     if self.stacked is None:
       return self.blocks[i]
-    return memory.layer(self.stacked, self.rest, i)
+    return stacking.layer(self.stacked, self.rest, i)
 
   @property
   def num_layers(self) -> int:
     if self.stacked is None:
       return len(self.blocks)
-    return memory.num_stacked(self.stacked) * len(self.stacked) + len(self.rest)
+    return stacking.num_stacked(self.stacked) * len(self.stacked) + len(self.rest)
 
   def _run_blocks(self, x_BTD, *, positions_BT, segment_ids_BT, cache=None, **source):
     per_slot = None

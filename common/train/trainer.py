@@ -20,7 +20,7 @@ from nnx_zoo.common import files, mesh, models, parallel, tasks
 from nnx_zoo.common.data import kinds, prepared
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
-from nnx_zoo.common.nn import memory
+from nnx_zoo.common.nn import stacking
 from nnx_zoo.common.train import faults, optim
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.common.train.metrics import MetricsLog
@@ -60,9 +60,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
       params = jax.tree.map(  # one tree per layer (init_params), stacked back if scanned
         lambda loaded, fresh: fresh if isinstance(loaded, jax.ShapeDtypeStruct) else loaded,
         init_from,
-        memory.unstack_layers(state.params),
+        stacking.unstack_layers(state.params),
       )
-      params = memory.match_layers(params, state.params)
+      params = stacking.match_layers(params, state.params)
       params = jax.device_put(params, shardings.params)
       state = dataclasses.replace(state, params=params)
       if state.ema is not None:  # the average starts at the loaded weights (its own buffers)

@@ -13,7 +13,7 @@ from flax import nnx
 
 from nnx_zoo.common import models
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import conditioning, memory, norms, patch, position, transformer
+from nnx_zoo.common.nn import conditioning, norms, patch, position, stacking, transformer
 from nnx_zoo.zoo.dit import model as dit
 
 
@@ -173,7 +173,7 @@ def test_denoiser_scan_and_remat_equal_the_plain_stack():
   state = nnx.state(model)
   for flags in (dict(scan=True), dict(remat="full")):
     other = models.build(_with(cfg, **flags))
-    nnx.update(other, memory.match_layers(state, other))  # scan stores the layers stacked
+    nnx.update(other, stacking.match_layers(state, other))  # scan stores the layers stacked
     np.testing.assert_allclose(other(x, t, y), want, atol=1e-5)
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 from nnx_zoo.common import experiments, hub, models, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import weights
-from nnx_zoo.common.nn import lora, memory
+from nnx_zoo.common.nn import lora, stacking
 from nnx_zoo.common.train import optim, trainer
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.bert import model as bert
@@ -145,12 +145,12 @@ def test_lora_on_layers_stored_stacked():
   stacked = nnx.state(scanned, lora.LoRAParam)
   assert ("stacked", 0, "attn", "q", "lora", "a") in dict(nnx.to_flat_state(stacked))
   want = dict(nnx.to_flat_state(nnx.state(plain, lora.LoRAParam)))
-  got = dict(nnx.to_flat_state(memory.unstack_layers(stacked)))
+  got = dict(nnx.to_flat_state(stacking.unstack_layers(stacked)))
   assert got.keys() == want.keys()
   for k in want:
     np.testing.assert_array_equal(np.asarray(got[k][...]), np.asarray(want[k][...]), str(k))
   perturbed(plain)
-  nnx.update(scanned, memory.match_layers(nnx.state(plain), scanned))
+  nnx.update(scanned, stacking.match_layers(nnx.state(plain), scanned))
   np.testing.assert_allclose(scanned(TOKENS), plain(TOKENS), rtol=1e-5, atol=1e-5)
 
   def grads(model):
@@ -158,7 +158,7 @@ def test_lora_on_layers_stored_stacked():
     f = lambda t: jnp.sum(jnp.sin(nnx.merge(graphdef, t, frozen)(TOKENS)))
     return jax.grad(f)(trained)
 
-  got, want = memory.unstack_layers(grads(scanned)), grads(plain)
+  got, want = stacking.unstack_layers(grads(scanned)), grads(plain)
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(y))))

@@ -11,7 +11,7 @@ from flax import nnx
 
 from nnx_zoo.common import models, sampling, tasks
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import accumulate, lora, memory
+from nnx_zoo.common.nn import accumulate, lora, stacking
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.bert import model as bert
 from nnx_zoo.zoo.gemma import model as gemma
@@ -62,7 +62,7 @@ def sums(cfg, micro_batches=1):
 def assert_same(a, b, rtol=1e-5):
   """Equal sums and gradients (a's gradients one tree per layer first, if stacked)."""
   (ta, ca, ga), (tb, cb, gb) = a, b
-  ga = memory.unstack_layers(ga)
+  ga = stacking.unstack_layers(ga)
   assert jax.tree.structure(ga) == jax.tree.structure(gb)
   assert float(ca) == float(cb)
   assert float(ta) == pytest.approx(float(tb), rel=rtol)
@@ -145,8 +145,8 @@ def test_scan_equals_no_scan(family, remat):
   # Stored stacked (one tree per slot, [L, ...]), from the unscanned model's values: one tree
   # per layer again, the gradients are the unscanned model's.
   assert "stacked" in params and "blocks" not in params
-  assert_params_equal(memory.unstack_layers(params), nnx.state(models.build(base), nnx.Param))
-  got_g = memory.unstack_layers(got_g)
+  assert_params_equal(stacking.unstack_layers(params), nnx.state(models.build(base), nnx.Param))
+  got_g = stacking.unstack_layers(got_g)
   assert jax.tree.structure(got_g) == jax.tree.structure(want_g)
   # Relative to each leaf's largest gradient, or to a thousandth of the largest of all where a
   # leaf's gradient is zero up to rounding (BERT's key bias: softmax ignores a constant shift).
@@ -196,7 +196,7 @@ def test_remat_and_scan_with_frozen_lora_base_weights(scan):
       return jnp.sum(jnp.sin(nnx.merge(graphdef, trained, frozen)(tokens_BT)))
 
     grads.append(jax.jit(jax.grad(f))(trained))
-  got = memory.unstack_layers(grads[1])
+  got = stacking.unstack_layers(grads[1])
   assert jax.tree.structure(got) == jax.tree.structure(grads[0])
   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(grads[0]), strict=True):
     assert float(jnp.max(jnp.abs(x - y))) / float(jnp.max(jnp.abs(y))) < 1e-5
@@ -227,7 +227,7 @@ def test_stack_and_unstack_layers_round_trip():
   cfg = _gemma_tiny(5)
   plain = nnx.state(models.build(cfg))
   scanned = nnx.state(models.build(with_scan(cfg)))
-  assert memory.layouts(k for k, _ in nnx.to_flat_state(scanned)) == {(): 2}
+  assert stacking.layouts(k for k, _ in nnx.to_flat_state(scanned)) == {(): 2}
   flat = dict(nnx.to_flat_state(scanned))
   q = flat[("stacked", 1, "attn", "q", "kernel")]
   assert q.shape[0] == 2 and q.axes[0] == "L"  # layers 1 and 3
@@ -235,12 +235,12 @@ def test_stack_and_unstack_layers_round_trip():
     q[...][1], dict(nnx.to_flat_state(plain))[("blocks", 3, "attn", "q", "kernel")][...]
   )
   assert ("rest", 0, "attn", "q", "kernel") in flat  # layer 4
-  assert_params_equal(memory.unstack_layers(scanned), plain)
-  assert_params_equal(memory.match_layers(plain, scanned), scanned)
-  assert_params_equal(memory.match_layers(scanned, plain), plain)
-  assert_params_equal(memory.stack_layers(memory.unstack_layers(scanned), {(): 2}), scanned)
+  assert_params_equal(stacking.unstack_layers(scanned), plain)
+  assert_params_equal(stacking.match_layers(plain, scanned), scanned)
+  assert_params_equal(stacking.match_layers(scanned, plain), plain)
+  assert_params_equal(stacking.stack_layers(stacking.unstack_layers(scanned), {(): 2}), scanned)
   # Each Variable's axes: the layer axis first when stacked, the per-layer axes otherwise.
-  for k, v in nnx.to_flat_state(memory.unstack_layers(scanned)):
+  for k, v in nnx.to_flat_state(stacking.unstack_layers(scanned)):
     assert v.axes == dict(nnx.to_flat_state(plain))[k].axes, k
 
 
@@ -248,12 +248,12 @@ def test_two_stacks_convert_each_on_its_own():
   cfg = t5.config("tiny")
   plain = nnx.state(models.build(cfg), nnx.Param)
   scanned = nnx.state(models.build(with_scan(cfg)), nnx.Param)
-  assert set(memory.layouts(k for k, _ in nnx.to_flat_state(scanned))) == {
+  assert set(stacking.layouts(k for k, _ in nnx.to_flat_state(scanned))) == {
     ("encoder",),
     ("decoder",),
   }
-  assert_params_equal(memory.unstack_layers(scanned), plain)
-  assert_params_equal(memory.match_layers(plain, scanned), scanned)
+  assert_params_equal(stacking.unstack_layers(scanned), plain)
+  assert_params_equal(stacking.match_layers(plain, scanned), scanned)
 
 
 def test_scanned_pattern_with_a_rest_equals_unscanned_and_decodes():

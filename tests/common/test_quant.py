@@ -18,7 +18,7 @@ from flax import nnx
 from nnx_zoo.common import experiments, models, plan
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import weights
-from nnx_zoo.common.nn import memory, quant
+from nnx_zoo.common.nn import quant, stacking
 from nnx_zoo.common.nn.linear import Linear
 from nnx_zoo.common.train import optim, trainer
 from nnx_zoo.common.train import step as steps
@@ -177,7 +177,7 @@ def test_scanned_equals_unscanned_quantized():
   want_loss, want = forward_and_grads(tiny("int8", num_layers=3), x)
   got_loss, got = forward_and_grads(tiny("int8", num_layers=3, scan=True), x)
   assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
-  got = memory.unstack_layers(got)
+  got = stacking.unstack_layers(got)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * float(jnp.max(jnp.abs(b))) + 1e-12
 

@@ -9,7 +9,7 @@ from flax import nnx
 
 from nnx_zoo.common import models, tasks
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import attention, attention_ref, aux, memory, mlp, norms
+from nnx_zoo.common.nn import attention, attention_ref, aux, mlp, norms, stacking
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.gemma import model as gemma
 from nnx_zoo.zoo.llama import model as llama
@@ -55,8 +55,8 @@ def sums_and_grads(cfg, micro_batches=1):
     )
   )
   sums, grads = fn(params)
-  # One tree per layer (model.scan stores the layers stacked: nnx_zoo.common.nn.memory).
-  return sums, memory.unstack_layers(grads), memory.unstack_layers(params)
+  # One tree per layer (model.scan stores the layers stacked: nnx_zoo.common.nn.stacking).
+  return sums, stacking.unstack_layers(grads), stacking.unstack_layers(params)
 
 
 @pytest.mark.slow

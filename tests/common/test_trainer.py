@@ -20,7 +20,7 @@ from nnx_zoo.common import experiments, models
 from nnx_zoo.common.data import pipeline
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
-from nnx_zoo.common.nn import memory
+from nnx_zoo.common.nn import stacking
 from nnx_zoo.common.train import losses, metrics, optim, settings, trainer
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.llama import model as llama
@@ -155,7 +155,7 @@ def test_adamw_decays_the_same_with_the_layers_stacked(tiny, fused):
   _, params = tiny
   tx = optim.optimizer(optim_config(weight_decay=0.5, warmup_steps=0), 10, fused=fused)
   grads = jax.tree.map(lambda x: jnp.sin(jnp.arange(x.size).reshape(x.shape) + 1.0), params)
-  stacked = memory.stack_layers(params, {(): 1})
+  stacked = stacking.stack_layers(params, {(): 1})
   assert any(
     k[0] == "stacked" and v.ndim == 2 and k[-1] == "scale" for k, v in nnx.to_flat_state(stacked)
   )
@@ -165,13 +165,13 @@ def test_adamw_decays_the_same_with_the_layers_stacked(tiny, fused):
     return optax.apply_updates(params, updates), state
 
   want, want_state = jax.jit(step)(params, grads)
-  got, got_state = jax.jit(step)(stacked, memory.stack_layers(grads, {(): 1}))
-  assert_params_equal(memory.unstack_layers(got), want)
+  got, got_state = jax.jit(step)(stacked, stacking.stack_layers(grads, {(): 1}))
+  assert_params_equal(stacking.unstack_layers(got), want)
   want_mu = jax.tree.leaves(want_state, is_leaf=lambda x: isinstance(x, nnx.State))
   got_mu = jax.tree.leaves(got_state, is_leaf=lambda x: isinstance(x, nnx.State))
   for g, w in zip(got_mu, want_mu, strict=True):
     if isinstance(w, nnx.State):
-      assert_params_equal(memory.unstack_layers(g), w)
+      assert_params_equal(stacking.unstack_layers(g), w)
 
 
 def test_warmup_cosine_schedule_equals_optax_reference():
@@ -329,7 +329,7 @@ def test_init_from_loads_the_source_params(reference, tmp_path, scan):
   assert ("stacked" in fresh.params) == scan
   loaded = weights.init_params(cfg, fresh.params)  # one tree per layer
   assert_params_equal(loaded, source)
-  source = memory.match_layers(source, fresh.params)
+  source = stacking.match_layers(source, fresh.params)
 
   # The first step of a run with init_from starts from those params: its loss is theirs.
   workdir = str(tmp_path / "finetune")
@@ -522,7 +522,7 @@ def test_resume_and_load_across_scan(reference, tmp_path):
   _, stacked, _ = weights.restore_params(cfg, workdir)  # step 4, saved stacked
   assert "stacked" in stacked and "blocks" not in stacked
   _, per_layer, _ = weights.restore_params(smoke_config(), workdir)
-  assert_params_equal(memory.unstack_layers(stacked), per_layer)
+  assert_params_equal(stacking.unstack_layers(stacked), per_layer)
   trainer.train(smoke_config(), workdir, progress=False)  # steps 5 and 6 unscanned
   got, want = train_losses(workdir), train_losses(reference)
   assert list(got) == list(want)
@@ -531,7 +531,7 @@ def test_resume_and_load_across_scan(reference, tmp_path):
   _, stacked, step = weights.restore_params(cfg, workdir)  # step 6, saved per layer
   assert step == 6 and "stacked" in stacked
   _, want_params, _ = weights.restore_params(smoke_config(), reference)
-  got_params = flat_params(memory.unstack_layers(stacked))
+  got_params = flat_params(stacking.unstack_layers(stacked))
   for k, v in flat_params(want_params).items():
     np.testing.assert_allclose(got_params[k], v, rtol=1e-4, atol=1e-6, err_msg=str(k))
 

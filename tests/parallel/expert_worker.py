@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from nnx_zoo.common import experiments, models, parallel, tasks  # noqa: E402
-from nnx_zoo.common.nn import memory  # noqa: E402
+from nnx_zoo.common.nn import stacking  # noqa: E402
 from nnx_zoo.common.train import optim  # noqa: E402
 from nnx_zoo.common.train import step as steps  # noqa: E402
 
@@ -53,7 +53,7 @@ def main(exp: str):
   scan_model = nnx.eval_shape(lambda: models.build(scanned))
   scan_graphdef = nnx.graphdef(scan_model)
   # The same values stored stacked (model.scan): the gradients come back one tree per layer.
-  scan_params = memory.match_layers(state.params, nnx.state(scan_model, nnx.Param))
+  scan_params = stacking.match_layers(state.params, nnx.state(scan_model, nnx.Param))
   runs = [(str(sizes), sizes, graphdef, state.params) for sizes in MESHES]
   # The MoE in a scanned body.
   runs.append(("(1, 2, 2, 2) scan", (1, 2, 2, 2), scan_graphdef, scan_params))
@@ -67,7 +67,7 @@ def main(exp: str):
       )
     )
     sums, grads = fn(params, steps.put_batch(batch, layout))
-    out[name] = result(sums, memory.unstack_layers(grads))
+    out[name] = result(sums, stacking.unstack_layers(grads))
     # Each weight's placement and the shape of one device's shard: the experts apart.
     placed = {
       "/".join(map(str, k)): [str(v.sharding.spec), list(v.addressable_shards[0].data.shape)]

@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from nnx_zoo.common import experiments, models, parallel, tasks  # noqa: E402
-from nnx_zoo.common.nn import lora, memory
+from nnx_zoo.common.nn import lora, stacking
 from nnx_zoo.common.train import optim
 from nnx_zoo.common.train import step as steps
 
@@ -99,7 +99,7 @@ def main(exp: str):
   scanned.scan, scanned.remat = True, "save_dots"
   scan_model = nnx.eval_shape(lambda: models.build(scanned))
   scan_graphdef = nnx.graphdef(scan_model)
-  scan_params = memory.match_layers(state.params, nnx.state(scan_model, nnx.Param))
+  scan_params = stacking.match_layers(state.params, nnx.state(scan_model, nnx.Param))
 
   def place(x):
     return jax.device_put(x, layout.shardings(layout.param_specs(x)))
@@ -107,7 +107,7 @@ def main(exp: str):
   total, count, grads = jax.jit(
     lambda p, b: sharded_sums_and_grads(p, b, graphdef=scan_graphdef, task=TASK, layout=layout)
   )(place(scan_params), steps.put_batch(batch, layout))
-  grads = memory.unstack_layers(grads)
+  grads = stacking.unstack_layers(grads)
   out["(2, 2, 2) scan"] = {"total": float(total), "count": float(count), "grads": flat(grads)}
   # Rematerialised in full, with micro-batches: the layers add each slice's gradients into the
   # running sums in their own backward loop (accumulate.accumulating), under shard_map.
@@ -119,7 +119,7 @@ def main(exp: str):
       p, b, graphdef=full_graphdef, task=TASK, layout=layout, micro_batches=2
     )
   )(place(scan_params), steps.put_batch(batch, layout))
-  grads = memory.unstack_layers(grads)
+  grads = stacking.unstack_layers(grads)
   out["(2, 2, 2) scan full micro_batches=2"] = {
     "total": float(total),
     "count": float(count),
@@ -160,14 +160,14 @@ def main(exp: str):
   lora_full = lora_cfg.copy_and_resolve_references()
   lora_full.scan, lora_full.remat = True, "full"
   full_model = nnx.eval_shape(lambda: models.build(lora_full))
-  full_params = memory.match_layers(lora_params, nnx.state(full_model, nnx.Param))
+  full_params = stacking.match_layers(lora_params, nnx.state(full_model, nnx.Param))
   trained, frozen = nnx.split_state(full_params, lora.trainable(lora_full), ...)
   total, count, grads = jax.jit(
     lambda t, f, b: sharded_sums_and_grads(
       t, b, graphdef=nnx.graphdef(full_model), task=TASK, layout=layout, frozen=f, micro_batches=2
     )
   )(place(trained), place(frozen), steps.put_batch(batch, layout))
-  grads = memory.unstack_layers(grads)
+  grads = stacking.unstack_layers(grads)
   out["(1, 4, 2) lora scan full micro_batches=2"] = {
     "total": float(total),
     "count": float(count),
@@ -200,7 +200,7 @@ def main(exp: str):
   out["(2, 2, 2) drop_path scan full micro_batches=2"] = {
     "total": float(total),
     "count": float(count),
-    "grads": flat(memory.unstack_layers(grads)),
+    "grads": flat(stacking.unstack_layers(grads)),
   }
   # Where the compiled step gathers the weights under fsdp=8, scanned: the all-gathers at the
   # top level of the program (ENTRY) and in all (bench/fsdp_gathers.py prints more).

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from nnx_zoo.common import hub, models, sampling
-from nnx_zoo.common.nn import memory
+from nnx_zoo.common.nn import stacking
 from nnx_zoo.common.train import losses
 from nnx_zoo.zoo.gemma import model as gemma
 
@@ -75,7 +75,7 @@ def test_scan_over_the_pattern_equals_no_scan(name, remat):
   scan_model = models.abstract(scan_cfg)
   scan_graphdef = nnx.graphdef(scan_model)
   # The same weights stored stacked, one stack per slot of the pattern.
-  scan_params = memory.match_layers(params, nnx.state(scan_model, nnx.Param))
+  scan_params = stacking.match_layers(params, nnx.state(scan_model, nnx.Param))
   assert len(scan_params["stacked"]) == len(cfg.layer_pattern)
   x = tokens(0, (2, 12))
 
@@ -85,7 +85,7 @@ def test_scan_over_the_pattern_equals_no_scan(name, remat):
   want, want_g = jax.value_and_grad(loss, argnums=1)(graphdef, params)
   got, got_g = jax.value_and_grad(loss, argnums=1)(scan_graphdef, scan_params)
   np.testing.assert_allclose(got, want, rtol=1e-5)
-  got_g = memory.unstack_layers(got_g)
+  got_g = stacking.unstack_layers(got_g)
   assert jax.tree.structure(got_g) == jax.tree.structure(want_g)
   for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(b))) + 1e-7)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from nnx_zoo.common import models, sampling
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import memory, transformer
+from nnx_zoo.common.nn import stacking, transformer
 from nnx_zoo.zoo.llama import model as llama
 from nnx_zoo.zoo.t5 import model as t5
 
@@ -148,7 +148,7 @@ def test_remat_and_scan_change_nothing(levers):
   want_loss, want = loss_and_grads(cfg)
   cfg.update(levers)
   got_loss, got = loss_and_grads(cfg)  # same seed, the same weights (stacked if scanned)
-  got = memory.unstack_layers(got)
+  got = stacking.unstack_layers(got)
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
   flat_got, flat_want = dict(nnx.to_flat_state(got)), dict(nnx.to_flat_state(want))
   assert flat_got.keys() == flat_want.keys()
