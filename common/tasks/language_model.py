@@ -42,16 +42,19 @@ class LanguageModel(tasks.Task):
     prompt = tokenizer.encode(args.prompt)
     if len(prompt) == 0:
       raise UserError("The prompt is empty: give --prompt TEXT.")
-    out = sampling.generate(
-      (graphdef, params),
-      prompt[None],
-      max_new_tokens=args.max_new_tokens,
-      rng=jax.random.key(args.seed),
-      temperature=0.8 if args.temperature is None else args.temperature,
-      top_k=args.top_k,
-      top_p=args.top_p,
-    )
+    out = sampling.generate((graphdef, params), prompt[None], **sampling_options(args))
     print(tokenizer.decode(out[0].tolist()))
+
+
+def sampling_options(args) -> dict:
+  """`zoo generate`'s sampling arguments for a text prompt (temperature 0.8 unless given)."""
+  return {
+    "max_new_tokens": args.max_new_tokens,
+    "rng": jax.random.key(args.seed),
+    "temperature": 0.8 if args.temperature is None else args.temperature,
+    "top_k": args.top_k,
+    "top_p": args.top_p,
+  }
 
 
 def check_prompt(args, cfg):

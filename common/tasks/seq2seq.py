@@ -1,7 +1,6 @@
 """The sequence-to-sequence task: an encoder-decoder's cross-entropy on target tokens given
 source tokens (T5's span corruption); `zoo generate` writes the decoder's output for a prompt."""
 
-import jax
 import numpy as np
 
 from nnx_zoo.common import tasks
@@ -34,15 +33,8 @@ class Seq2Seq(tasks.Task):
       prompt = np.append(prompt, tokenizer.eos_id)
     if len(prompt) == 0:
       raise UserError("The prompt is empty: give --prompt TEXT.")
-    out = sampling.generate_seq2seq(
-      (graphdef, params),
-      prompt[None],
-      max_new_tokens=args.max_new_tokens,
-      rng=jax.random.key(args.seed),
-      temperature=0.8 if args.temperature is None else args.temperature,
-      top_k=args.top_k,
-      top_p=args.top_p,
-    )[0].tolist()
+    options = language_model.sampling_options(args)
+    out = sampling.generate_seq2seq((graphdef, params), prompt[None], **options)[0].tolist()
     if tokenizer.eos_id in out:
       out = out[: out.index(tokenizer.eos_id)]
     print(spans.decode_output(out, tokenizer, vocab, extra))
