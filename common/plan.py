@@ -238,7 +238,7 @@ def kernel_flops(cfg) -> tuple[float, str]:
   4 H for the forward's two matmuls, 14 H for its backward (the dK/dV and dQ kernels each
   recompute the scores: seven matmuls), 4 H more for the forward that `model.remat=full`
   recomputes. (0, "") for any other attention ("auto" is splash on a TPU)."""
-  from nnx_zoo.common.nn import attention_impl, transformer
+  from nnx_zoo.common.nn import attention_impl, stack
 
   m = cfg.model
   if "attention" not in m or "num_layers" not in m:
@@ -247,7 +247,7 @@ def kernel_flops(cfg) -> tuple[float, str]:
   per_pair = 4 + 14 + (4 if m.get("remat", "none") == "full" else 0)
   flops = 0.0
   for i in range(m.num_layers):
-    layer = transformer.layer_config(m, i)
+    layer = stack.layer_config(m, i)
     att = layer.attention
     bias = layer.position.kind in ("alibi", "relative")  # biases: xla
     impl = att.impl

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn.transformer import EncoderDecoder
+from nnx_zoo.common.nn.encoder_decoder import EncoderDecoder
 
 
 def sample_logits(

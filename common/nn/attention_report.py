@@ -1,11 +1,11 @@
 """What attention.impl="auto" resolves to in each layer of a model config: the line `zoo show`
 prints. The rules are the table's (common/nn/attention_impl.py); this module only reads them for
 every layer kind of a stack, which is why it stands apart from the table: it needs the stack's
-layer configs (`transformer.layer_config`), and the stack imports the layer that imports the
+layer configs (`stack.layer_config`), and the stack imports the layer that imports the
 table.
 """
 
-from nnx_zoo.common.nn import attention_impl, transformer
+from nnx_zoo.common.nn import attention_impl, stack
 
 
 def describe_auto(
@@ -18,7 +18,7 @@ def describe_auto(
     return ""
   seen = {}
   for i in range(model_cfg.num_layers):
-    layer = transformer.layer_config(model_cfg, i)
+    layer = stack.layer_config(model_cfg, i)
     att = layer.attention
     if att.get("impl", "xla") != "auto":
       continue

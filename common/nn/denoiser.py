@@ -21,7 +21,7 @@ from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import conditioning, norms
 from nnx_zoo.common.nn.linear import Linear, dtypes
 from nnx_zoo.common.nn.patch import PatchEmbed, unpatchify
-from nnx_zoo.common.nn.transformer import _Stack
+from nnx_zoo.common.nn.stack import BlockStack
 
 
 def image_inputs(
@@ -38,7 +38,7 @@ def image_inputs(
   }
 
 
-class Denoiser(_Stack):
+class Denoiser(BlockStack):
   """`model(images, timesteps, labels)` -> [B, S, S, out_channels]: see the module docstring.
   Labels are class ids, `num_classes` (`null_id`) for none (classifier-free guidance)."""
 

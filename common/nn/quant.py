@@ -10,7 +10,7 @@ their scales onto the gradient); without it the backward runs in the compute dty
 float operands. fp8 is e4m3 in the forward and e5m2 for gradients (Transformer Engine's
 "hybrid" recipe: gradients need range more than precision).
 
-Only the projections of attention and the MLP are quantized (`transformer.Block` marks their
+Only the projections of attention and the MLP are quantized (`block.Block` marks their
 Linears); embeddings, the output head, attention's score and value products, norms, MoE's router
 and its experts' grouped matmuls stay in the compute dtype. Weights are stored and checkpointed
 in `param_dtype` whatever the setting: it is a setting of the training, as `model.remat` is.

@@ -110,7 +110,7 @@ def infer(cfg) -> str:
   (contrastive), a classifier head (classifier), else a language model."""
   from nnx_zoo.common import models
   from nnx_zoo.common.nn.denoiser import Denoiser
-  from nnx_zoo.common.nn.transformer import EncoderDecoder
+  from nnx_zoo.common.nn.encoder_decoder import EncoderDecoder
 
   if cfg.get("diffusion") is not None:
     return "denoiser"

@@ -25,7 +25,7 @@ from flax import nnx
 from nnx_zoo.common import parallel
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import position
-from nnx_zoo.common.nn.transformer import EncoderDecoder
+from nnx_zoo.common.nn.encoder_decoder import EncoderDecoder
 from nnx_zoo.common.train import contrastive
 
 

@@ -13,7 +13,8 @@ from flax import nnx
 
 from nnx_zoo.common import models
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import conditioning, norms, patch, position, stacking, transformer
+from nnx_zoo.common.nn import conditioning, norms, patch, position, stacking
+from nnx_zoo.common.nn.block import Block
 from nnx_zoo.zoo.dit import model as dit
 
 
@@ -119,7 +120,7 @@ def test_adaln_zero_block_matches_the_formula():
   """x + g1 * Attn(LN(x)(1 + s1) + b1), then + g2 * MLP(LN(x)(1 + s2) + b2), against the same
   block's own attention and MLP run on the modulated inputs by hand."""
   cfg = block_cfg()
-  block = transformer.Block(cfg, rngs=nnx.Rngs(0))
+  block = Block(cfg, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   perturb(block.modulation, 0.5)
   B, T, D = 2, 5, cfg.dim
@@ -143,7 +144,7 @@ def test_adaln_zero_block_matches_the_formula():
 
 
 def test_adaln_zero_block_starts_as_identity_and_needs_the_conditioning():
-  block = transformer.Block(block_cfg(), rngs=nnx.Rngs(0))
+  block = Block(block_cfg(), rngs=nnx.Rngs(0))
   x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 3, 32)), jnp.float32)
   kw = dict(
     positions_BT=jnp.arange(3)[None], segment_ids_BT=jnp.ones((1, 3), jnp.int32),
@@ -157,9 +158,9 @@ def test_adaln_zero_block_starts_as_identity_and_needs_the_conditioning():
 
 def test_modulation_needs_pre_norm():
   with pytest.raises(UserError, match="pre"):
-    transformer.Block(block_cfg(norm_placement="post"), rngs=nnx.Rngs(0))
+    Block(block_cfg(norm_placement="post"), rngs=nnx.Rngs(0))
   with pytest.raises(UserError, match="modulation"):
-    transformer.Block(block_cfg(modulation="film"), rngs=nnx.Rngs(0))
+    Block(block_cfg(modulation="film"), rngs=nnx.Rngs(0))
 
 
 def test_denoiser_scan_and_remat_equal_the_plain_stack():

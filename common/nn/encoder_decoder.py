@@ -1,0 +1,209 @@
+"""The encoder-decoder (T5, Whisper): an encoder stack, and a decoder stack whose blocks
+cross-attend to the encoder's output."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import attention_ref, norms, position
+from nnx_zoo.common.nn.block import CrossCache
+from nnx_zoo.common.nn.encoder import make_stem, stem_segment_ids
+from nnx_zoo.common.nn.linear import Embedding, Linear, dtypes
+from nnx_zoo.common.nn.patch import stem_length
+from nnx_zoo.common.nn.stack import BlockStack
+
+OUTPUT_SCALES = ("none", "rsqrt_dim")
+
+
+def encoder_decoder_sides(cfg) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
+  """The configs of an `EncoderDecoder`'s two stacks. The encoder's is `cfg` (its attention
+  mask, `position`, `num_layers`); the decoder's has `num_decoder_layers`, `decoder_position`,
+  causal self-attention (it generates one token after another) and cross-attention."""
+  encoder = ml_collections.ConfigDict(cfg.to_dict())
+  decoder = ml_collections.ConfigDict(cfg.to_dict())
+  decoder.num_layers = cfg.num_decoder_layers
+  decoder.position = ml_collections.ConfigDict(cfg.decoder_position.to_dict())
+  decoder.attention.mask = "causal"
+  decoder.cross_attention = True
+  return encoder, decoder
+
+
+class Stack(BlockStack):
+  """One side of an `EncoderDecoder`: positions, blocks and the final norm (the embeddings are
+  the model's, which the two sides may share)."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    dt = dtypes(cfg)
+    self._make_positions(cfg, rngs, dt)
+    self._make_blocks(cfg, rngs)
+    self.norm = norms.make(cfg.norm, cfg.dim, **dt)
+
+  def __call__(self, x_BTD, *, positions_BT, segment_ids_BT, cache=None, **source):
+    """The final (normed) hidden states [B, T, D] and the updated cache; `source`: the
+    decoder's `source_BSD` and `source_segment_ids_BS` (see `Block`)."""
+    x_BTD = self.position.embed(x_BTD, positions_BT)
+    x_BTD, cache = self._run_blocks(
+      x_BTD, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT, cache=cache, **source
+    )
+    return self.norm(x_BTD), cache
+
+
+class EncoderDecoder(nnx.Module):
+  """tokens -> Embedding -> encoder blocks -> norm -> the source [B, S, D];
+  decoder tokens -> Embedding (the same one if shared_embeddings) -> decoder blocks (causal
+  self-attention, cross-attention to the source, MLP) -> norm (x D ** -0.5 if output_scale) ->
+  output head (the decoder's embedding, tied, or lm_head) -> logits [B, T, V].
+
+  Its keys beyond the shared ones (`config(..., **extra)`): `num_decoder_layers`,
+  `decoder_position` (T5: relative, not bidirectional), `shared_embeddings`, `tie_embeddings`,
+  `output_scale` ("none", or "rsqrt_dim": the decoder's output times D ** -0.5 before the head,
+  transformers' T5 `scale_decoder_outputs`), `decoder_start_id` (the decoder's first input:
+  targets are shifted right after it), `final_softcap` if given, and `frame_inputs`' keys for
+  an encoder of feature frames (Whisper: a conv stem, no token table on that side; the
+  model's `embed` is then the decoder's). `attention` is the
+  encoder's self-attention (its mask as configured); the decoder's is causal, and its
+  cross-attention sees the whole source.
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    dt = dtypes(cfg)
+    if cfg.output_scale not in OUTPUT_SCALES:
+      raise UserError(
+        f"Unknown model.output_scale {cfg.output_scale!r}: use one of {OUTPUT_SCALES}."
+      )
+    encoder_cfg, decoder_cfg = encoder_decoder_sides(cfg)
+    self.inputs = cfg.get("inputs", "tokens")
+    if self.inputs not in ("tokens", "frames"):
+      raise UserError(f"Unknown model.inputs {self.inputs!r}: use 'tokens' or 'frames'.")
+    if self.inputs == "frames" and not cfg.shared_embeddings:
+      raise UserError("An encoder of frames has no token table: set shared_embeddings=True.")
+    self.stem = make_stem(cfg, rngs, dt) if self.inputs == "frames" else None
+    self.embed = Embedding(cfg.vocab_size, cfg.dim, init_std=cfg.init_std, rngs=rngs, **dt)
+    self.decoder_embed = (
+      None
+      if cfg.shared_embeddings
+      else Embedding(cfg.vocab_size, cfg.dim, init_std=cfg.init_std, rngs=rngs, **dt)
+    )
+    self.embed_scale = math.sqrt(cfg.dim) if cfg.get("embed_scale", False) else 0.0
+    self.encoder = Stack(encoder_cfg, rngs=rngs)
+    self.decoder = Stack(decoder_cfg, rngs=rngs)
+    self.lm_head = (
+      None
+      if cfg.tie_embeddings
+      else Linear(cfg.dim, cfg.vocab_size, axes=("D", "V"), init_std=cfg.init_std, rngs=rngs, **dt)
+    )
+    self.output_scale = cfg.dim**-0.5 if cfg.output_scale == "rsqrt_dim" else 0.0
+    self.final_softcap = cfg.get("final_softcap", 0.0)
+    self.decoder_start_id = cfg.decoder_start_id
+
+  def __call__(
+    self, tokens_BS, decoder_tokens_BT, *, segment_ids_BS=None, decoder_segment_ids_BT=None
+  ):
+    """Logits [B, T, V] of the decoder tokens given the source tokens (teacher forcing)."""
+    return self.logits(
+      self.hidden(
+        tokens_BS,
+        decoder_tokens_BT,
+        segment_ids_BS=segment_ids_BS,
+        decoder_segment_ids_BT=decoder_segment_ids_BT,
+      )
+    )
+
+  def _embed(self, table: Embedding, tokens_BT):
+    x_BTD = table(tokens_BT)
+    if self.embed_scale:
+      x_BTD = x_BTD * jnp.asarray(self.embed_scale, x_BTD.dtype)
+    return x_BTD
+
+  def _decoder_table(self) -> Embedding:
+    return self.embed if self.decoder_embed is None else self.decoder_embed
+
+  def source_segment_ids(self, inputs, segment_ids_BS=None) -> jax.Array:
+    """The segment ids of the source the encoder makes of `inputs` (tokens [B, S] or frames
+    [B, T, C], whose ids the stem downsamples); all 1 if not given."""
+    if segment_ids_BS is None:
+      B, S = inputs.shape[:2]
+      if self.stem is not None:
+        S = stem_length(S, width=self.stem.width, strides=self.stem.strides)
+      return jnp.ones((B, S), jnp.int32)
+    return segment_ids_BS if self.stem is None else stem_segment_ids(self.stem, segment_ids_BS)
+
+  def encode(self, inputs, *, segment_ids_BS=None) -> jax.Array:
+    """The source [B, S, D]: the encoder's final hidden states, of tokens [B, S] or (with
+    `frame_inputs`) frames [B, T, C]. Segment ids (0 = padding) keep packed rows' sources apart
+    and padding unseen."""
+    if self.stem is None:
+      positions_BS = position.default_positions(inputs, segment_ids_BS)
+      x_BSD = self._embed(self.embed, inputs)
+    else:  # frames: positions from 0 over the whole window, as Whisper's
+      x_BSD = self.stem(inputs.astype(self.stem.convs[0].kernel[...].dtype))
+      B, S, _ = x_BSD.shape
+      positions_BS = jnp.broadcast_to(jnp.arange(S), (B, S))
+    segment_ids_BS = self.source_segment_ids(inputs, segment_ids_BS)
+    x_BSD, _ = self.encoder(x_BSD, positions_BT=positions_BS, segment_ids_BT=segment_ids_BS)
+    return x_BSD
+
+  def hidden(
+    self, tokens_BS, decoder_tokens_BT, *, segment_ids_BS=None, decoder_segment_ids_BT=None
+  ) -> jax.Array:
+    """The decoder's final (normed) hidden states [B, T, D], before output_scale and the head.
+    Decoder segment s attends to source segment s."""
+    source_BSD = self.encode(tokens_BS, segment_ids_BS=segment_ids_BS)
+    segment_ids_BS = self.source_segment_ids(tokens_BS, segment_ids_BS)
+    positions_BT = position.default_positions(decoder_tokens_BT, decoder_segment_ids_BT)
+    x_BTD, _ = self.decoder(
+      self._embed(self._decoder_table(), decoder_tokens_BT),
+      positions_BT=positions_BT,
+      segment_ids_BT=decoder_segment_ids_BT,
+      source_BSD=source_BSD,
+      source_segment_ids_BS=segment_ids_BS,
+    )
+    return x_BTD
+
+  def output_head(self):
+    """The module holding the output projection and `project(module, x) -> logits`, output
+    scale and soft-cap included (as `Decoder.output_head`: whole, or chunk by chunk)."""
+    scale, cap = self.output_scale, self.final_softcap
+    if self.lm_head is None:
+      head, call = self._decoder_table(), Embedding.attend
+    else:
+      head, call = self.lm_head, Linear.__call__
+
+    def project(module, x_D):
+      if scale:
+        x_D = x_D * jnp.asarray(scale, x_D.dtype)
+      return attention_ref.soft_cap(call(module, x_D), cap)
+
+    return head, project
+
+  def logits(self, x_BTD):
+    head, project = self.output_head()
+    return project(head, x_BTD)
+
+  def init_cache(self, source_BSD, max_len: int, *, segment_ids_BS=None) -> list[CrossCache]:
+    """The decoding state for `max_len` decoder tokens: empty self-attention caches, and the
+    source's keys and values, projected once per layer (the encoder ran once, before)."""
+    B = source_BSD.shape[0]
+    blocks = [self.decoder.layer(i) for i in range(self.decoder.num_layers)]
+    return [
+      CrossCache(
+        block.attn.init_cache(B, max_len), block.cross_attn.source_kv(source_BSD, segment_ids_BS)
+      )
+      for block in blocks
+    ]
+
+  def decode(self, decoder_tokens_BT, *, cache: list[CrossCache]):
+    """Logits [B, T, V] of decoder tokens following those in `cache` (see `init_cache`), and
+    the updated cache."""
+    positions_BT = position.default_positions(decoder_tokens_BT, None, cache)
+    x_BTD, cache = self.decoder(
+      self._embed(self._decoder_table(), decoder_tokens_BT),
+      positions_BT=positions_BT,
+      segment_ids_BT=None,
+      cache=cache,
+    )
+    return self.logits(x_BTD), cache
