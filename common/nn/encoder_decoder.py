@@ -1,18 +1,16 @@
 """The encoder-decoder (T5, Whisper): an encoder stack, and a decoder stack whose blocks
 cross-attend to the encoder's output."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import attention_ref, norms, position
+from nnx_zoo.common.nn import head, norms, position
 from nnx_zoo.common.nn.block import CrossCache
 from nnx_zoo.common.nn.encoder import make_stem, stem_segment_ids
-from nnx_zoo.common.nn.linear import Embedding, Linear, dtypes
+from nnx_zoo.common.nn.linear import Embedding, dtypes
 from nnx_zoo.common.nn.patch import stem_length
 from nnx_zoo.common.nn.stack import BlockStack
 
@@ -88,14 +86,10 @@ class EncoderDecoder(nnx.Module):
       if cfg.shared_embeddings
       else Embedding(cfg.vocab_size, cfg.dim, init_std=cfg.init_std, rngs=rngs, **dt)
     )
-    self.embed_scale = math.sqrt(cfg.dim) if cfg.get("embed_scale", False) else 0.0
+    self.embed_scale = head.embed_scale(cfg)
     self.encoder = Stack(encoder_cfg, rngs=rngs)
     self.decoder = Stack(decoder_cfg, rngs=rngs)
-    self.lm_head = (
-      None
-      if cfg.tie_embeddings
-      else Linear(cfg.dim, cfg.vocab_size, axes=("D", "V"), init_std=cfg.init_std, rngs=rngs, **dt)
-    )
+    self.lm_head = head.make_lm_head(cfg, rngs, dt)
     self.output_scale = cfg.dim**-0.5 if cfg.output_scale == "rsqrt_dim" else 0.0
     self.final_softcap = cfg.get("final_softcap", 0.0)
     self.decoder_start_id = cfg.decoder_start_id
@@ -114,10 +108,7 @@ class EncoderDecoder(nnx.Module):
     )
 
   def _embed(self, table: Embedding, tokens_BT):
-    x_BTD = table(tokens_BT)
-    if self.embed_scale:
-      x_BTD = x_BTD * jnp.asarray(self.embed_scale, x_BTD.dtype)
-    return x_BTD
+    return head.embed(table, tokens_BT, self.embed_scale)
 
   def _decoder_table(self) -> Embedding:
     return self.embed if self.decoder_embed is None else self.decoder_embed
@@ -167,22 +158,13 @@ class EncoderDecoder(nnx.Module):
   def output_head(self):
     """The module holding the output projection and `project(module, x) -> logits`, output
     scale and soft-cap included (as `Decoder.output_head`: whole, or chunk by chunk)."""
-    scale, cap = self.output_scale, self.final_softcap
-    if self.lm_head is None:
-      head, call = self._decoder_table(), Embedding.attend
-    else:
-      head, call = self.lm_head, Linear.__call__
-
-    def project(module, x_D):
-      if scale:
-        x_D = x_D * jnp.asarray(scale, x_D.dtype)
-      return attention_ref.soft_cap(call(module, x_D), cap)
-
-    return head, project
+    return head.output_head(
+      self._decoder_table(), self.lm_head, cap=self.final_softcap, scale=self.output_scale
+    )
 
   def logits(self, x_BTD):
-    head, project = self.output_head()
-    return project(head, x_BTD)
+    module, project = self.output_head()
+    return project(module, x_BTD)
 
   def init_cache(self, source_BSD, max_len: int, *, segment_ids_BS=None) -> list[CrossCache]:
     """The decoding state for `max_len` decoder tokens: empty self-attention caches, and the
