@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from nnx_zoo.common import experiments, models, parallel  # noqa: E402
+from nnx_zoo.common import experiments, models, parallel, tasks  # noqa: E402
 from nnx_zoo.common.train import optim
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.llama import model as llama  # noqa: E402
@@ -95,7 +95,9 @@ def compile_step(cfg, layout):
     for k in ("tokens", "segment_ids")
   }
   step = jax.jit(
-    functools.partial(steps.train_step, graphdef=graphdef, tx=tx, layout=layout),
+    functools.partial(
+      steps.train_step, graphdef=graphdef, task=tasks.of(cfg), tx=tx, layout=layout
+    ),
     donate_argnums=0,
     out_shardings=(shardings, None),
   )

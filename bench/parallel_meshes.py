@@ -22,7 +22,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from nnx_zoo.common import experiments, mesh, parallel  # noqa: E402
+from nnx_zoo.common import experiments, mesh, parallel, tasks  # noqa: E402
 from nnx_zoo.common.train import optim  # noqa: E402
 from nnx_zoo.common.train import step as steps  # noqa: E402
 
@@ -56,7 +56,9 @@ def measure(cfg, sizes, rounds):
   }
   batch = steps.put_batch(batch, layout)
   step = jax.jit(
-    functools.partial(steps.train_step, graphdef=graphdef, tx=tx, layout=layout),
+    functools.partial(
+      steps.train_step, graphdef=graphdef, task=tasks.of(cfg), tx=tx, layout=layout
+    ),
     donate_argnums=0,
     out_shardings=(shardings, None),
   )

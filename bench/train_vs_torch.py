@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_zoo.common import experiments, hub, models
+from nnx_zoo.common import experiments, hub, models, tasks
 from nnx_zoo.common.hub import hf
 from nnx_zoo.common.train import optim
 from nnx_zoo.common.train import step as steps
@@ -44,7 +44,7 @@ def zoo_step(cfg, loss_chunk: int):
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
   graphdef, state = steps.init_state(cfg, tx)
   step = functools.partial(
-    steps.train_step, graphdef=graphdef, tx=tx, loss_chunk=loss_chunk
+    steps.train_step, graphdef=graphdef, task=tasks.of(cfg), tx=tx, loss_chunk=loss_chunk
   )  # as trainer.train builds it for one device
   step = jax.jit(step, donate_argnums=0)
   return state, step
