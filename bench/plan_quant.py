@@ -30,10 +30,20 @@ def planned(exp: str, topology: str, quant: str) -> dict:
     raise SystemExit(f"{exp} on {topology}: a loop-free step; plan it with `zoo plan`")
   devices = plan.devices(topo)
   layout = parallel.make_layout(mesh.resolve(cfg.mesh, len(devices)), devices)
-  out = plan.roofline(cfg, topo, plan.estimate_cost(cfg, layout, None))
+  cost = plan.estimate_cost(cfg, layout, None)
+  out = plan.roofline(cfg, topo, cost)
+  # The roofline's two bounds, to say which binds.
+  int8 = out["int8_flops_per_device"]
+  flops = out["compiler_flops_per_device"] + out["kernel_flops_per_device"]
+  out["compute_s"] = (flops - int8) / topo.chip.peak + int8 / topo.chip.int8
+  out["hbm_s"] = cost["bytes accessed"] / topo.chip.bandwidth
   out["mesh"] = " ".join(f"{a}={n}" for a, n in layout.sizes.items() if n > 1)
   out["micro_batches"] = cfg.train.micro_batches
   return out
+
+
+def times(r: dict) -> str:
+  return f"{r['step_s']:.2f} s ({r['compute_s']:.2f} / {r['hbm_s']:.2f})"
 
 
 def main(argv=None):
@@ -42,8 +52,8 @@ def main(argv=None):
   p.add_argument("--topologies", nargs="+", default=TOPOLOGIES)
   args = p.parse_args(argv)
   print(
-    "| recipe | topology | mesh | bf16 step | int8 step | int8 FLOPs | speed-up "
-    "| MFU bf16 / int8 | planned in |"
+    "| recipe | topology | mesh | bf16 step (compute / HBM) | int8 step (compute / HBM) "
+    "| int8 share of FLOPs | speed-up | MFU bf16 / int8 | planned in |"
   )
   print("|---|---|---|---|---|---|---|---|---|")
   for exp in args.recipes:
@@ -55,7 +65,7 @@ def main(argv=None):
       )
       print(
         f"| {exp} | {topology} | {bf16['mesh']} (micro {bf16['micro_batches']}) "
-        f"| {bf16['step_s']:.2f} s | {int8['step_s']:.2f} s | {share:.0%} "
+        f"| {times(bf16)} | {times(int8)} | {share:.0%} "
         f"| {bf16['step_s'] / int8['step_s']:.2f}x | {bf16['mfu']:.0%} / {int8['mfu']:.0%} "
         f"| {time.perf_counter() - start:.0f} s |",
         flush=True,
