@@ -1,5 +1,6 @@
-"""The encoder stack: tokens, images as patches or feature frames in, hidden states out, with
-its pooler and classifier head (BERT, ViT, CLIP's towers)."""
+"""The encoder stack: tokens or images as patches in, hidden states out, with its pooler and
+classifier head (BERT, ViT, CLIP's towers). Feature frames are an encoder-decoder's input
+(common/nn/encoder_decoder.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,39 +9,15 @@ from flax import nnx
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import norms, position
 from nnx_zoo.common.nn.linear import Embedding, Linear, dtypes, normal
-from nnx_zoo.common.nn.patch import ConvStem, PatchEmbed
+from nnx_zoo.common.nn.patch import PatchEmbed
 from nnx_zoo.common.nn.stack import BlockStack
 
-INPUTS = ("tokens", "patches", "frames")
+INPUTS = ("tokens", "patches")
 
 # What `Encoder.pool` reads: the first token ([CLS], a class token), the largest id of each row
 # (CLIP's end-of-text token, as HF's CLIP with eos_token_id 2), the first `end_token`, or the
 # mean of every token (images, which have no padding: big_vision's ViT "gap").
 POOL_AT = ("first", "argmax", "end_token", "mean")
-
-
-def make_stem(cfg, rngs, dt) -> ConvStem:
-  """The `ConvStem` of a config with `frame_inputs`' keys."""
-  return ConvStem(
-    cfg.dim,
-    channels=cfg.channels,
-    width=cfg.stem_width,
-    strides=tuple(cfg.stem_strides),
-    activation=cfg.stem_activation,
-    init_std=cfg.init_std,
-    rngs=rngs,
-    **dt,
-  )
-
-
-def stem_segment_ids(stem: ConvStem, segment_ids_BT: jax.Array) -> jax.Array:
-  """The segment ids of a stem's outputs: those of the frame at the centre of each window
-  (output t of a stride-s convolution is centred on its input t * s)."""
-  if stem.width % 2 == 0:
-    raise UserError(f"Segment ids through a stem of even width {stem.width} are ambiguous.")
-  for s in stem.strides:
-    segment_ids_BT = segment_ids_BT[:, ::s]
-  return segment_ids_BT
 
 
 def num_patches(cfg) -> int:
@@ -80,16 +57,12 @@ class Encoder(BlockStack):
     self.inputs = cfg.get("inputs", "tokens")  # absent in configs saved before images
     if self.inputs not in INPUTS:
       raise UserError(f"Unknown model.inputs {self.inputs!r}: use one of {INPUTS}.")
-    self.stem = make_stem(cfg, rngs, dt) if self.inputs == "frames" else None
     if self.inputs == "tokens":
       self.embed = Embedding(cfg.vocab_size, cfg.dim, init_std=cfg.init_std, rngs=rngs, **dt)
       self.patch_embed = self.class_token = None
     else:
       self.embed = None
-      if self.inputs == "patches":
-        self._make_patches(cfg, rngs, dt)
-      else:
-        self.patch_embed = self.class_token = None
+      self._make_patches(cfg, rngs, dt)
     self.token_type = (
       Embedding(cfg.type_vocab_size, cfg.dim, init_std=cfg.init_std, rngs=rngs, **dt)
       if cfg.get("type_vocab_size", 0)
@@ -152,8 +125,7 @@ class Encoder(BlockStack):
     positions_BT=None,
     segment_ids_BT=None,
   ):
-    """Final hidden states [B, T, D] of tokens [B, T], images [B, H, W, C] or frames
-    [B, T_frames, C] (segment ids, if given, are the frames').
+    """Final hidden states [B, T, D] of tokens [B, T] or images [B, H, W, C].
 
     `attention_mask` [B, T] (1 = token, 0 = padding), as Hugging Face's: no token attends to
     padding. It is folded into the segment ids, so padding positions attend only to each
@@ -161,18 +133,7 @@ class Encoder(BlockStack):
     the row, padding included, as HF's absolute position ids; `segment_ids_BT` (packed rows)
     restarts them per segment.
     """
-    if self.inputs == "frames":
-      if attention_mask is not None or token_type_ids is not None:
-        raise UserError("A frame encoder takes no attention_mask or token_type_ids.")
-      x_BTD = self.stem(inputs)
-      B, T, _ = x_BTD.shape
-      positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
-      segment_ids_BT = (
-        jnp.ones((B, T), jnp.int32)
-        if segment_ids_BT is None
-        else stem_segment_ids(self.stem, segment_ids_BT)
-      )
-    elif self.inputs == "patches":
+    if self.inputs == "patches":
       if attention_mask is not None or token_type_ids is not None:
         raise UserError("An image encoder takes no attention_mask or token_type_ids.")
       x_BTD = self._embed_images(inputs)

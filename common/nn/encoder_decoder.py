@@ -9,12 +9,36 @@ from flax import nnx
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import head, norms, position
 from nnx_zoo.common.nn.block import CrossCache
-from nnx_zoo.common.nn.encoder import make_stem, stem_segment_ids
 from nnx_zoo.common.nn.linear import Embedding, dtypes
-from nnx_zoo.common.nn.patch import stem_length
+from nnx_zoo.common.nn.patch import ConvStem, stem_length
 from nnx_zoo.common.nn.stack import BlockStack
 
 OUTPUT_SCALES = ("none", "rsqrt_dim")
+INPUTS = ("tokens", "frames")
+
+
+def make_stem(cfg, rngs, dt) -> ConvStem:
+  """The `ConvStem` of a config with `frame_inputs`' keys."""
+  return ConvStem(
+    cfg.dim,
+    channels=cfg.channels,
+    width=cfg.stem_width,
+    strides=tuple(cfg.stem_strides),
+    activation=cfg.stem_activation,
+    init_std=cfg.init_std,
+    rngs=rngs,
+    **dt,
+  )
+
+
+def stem_segment_ids(stem: ConvStem, segment_ids_BT: jax.Array) -> jax.Array:
+  """The segment ids of a stem's outputs: those of the frame at the centre of each window
+  (output t of a stride-s convolution is centred on its input t * s)."""
+  if stem.width % 2 == 0:
+    raise UserError(f"Segment ids through a stem of even width {stem.width} are ambiguous.")
+  for s in stem.strides:
+    segment_ids_BT = segment_ids_BT[:, ::s]
+  return segment_ids_BT
 
 
 def encoder_decoder_sides(cfg) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
@@ -75,8 +99,8 @@ class EncoderDecoder(nnx.Module):
       )
     encoder_cfg, decoder_cfg = encoder_decoder_sides(cfg)
     self.inputs = cfg.get("inputs", "tokens")
-    if self.inputs not in ("tokens", "frames"):
-      raise UserError(f"Unknown model.inputs {self.inputs!r}: use 'tokens' or 'frames'.")
+    if self.inputs not in INPUTS:
+      raise UserError(f"Unknown model.inputs {self.inputs!r}: use one of {INPUTS}.")
     if self.inputs == "frames" and not cfg.shared_embeddings:
       raise UserError("An encoder of frames has no token table: set shared_embeddings=True.")
     self.stem = make_stem(cfg, rngs, dt) if self.inputs == "frames" else None

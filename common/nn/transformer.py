@@ -41,8 +41,8 @@ from nnx_zoo.common.nn import lora
 # as `transformer.Decoder`, `transformer.Encoder`, ...; each lives in the module of its job.
 from nnx_zoo.common.nn.block import Block, CrossCache
 from nnx_zoo.common.nn.decoder import Decoder
-from nnx_zoo.common.nn.encoder import Encoder, make_stem, num_patches, stem_segment_ids
-from nnx_zoo.common.nn.encoder_decoder import EncoderDecoder
+from nnx_zoo.common.nn.encoder import Encoder, num_patches
+from nnx_zoo.common.nn.encoder_decoder import EncoderDecoder, make_stem, stem_segment_ids
 from nnx_zoo.common.nn.patch import stem_length
 from nnx_zoo.common.nn.stack import layer_config
 

@@ -156,25 +156,28 @@ def test_attention_scale(scale):
 
 
 def test_encoder_of_frames_through_a_conv_stem():
-  """`frame_inputs`: an Encoder (and an EncoderDecoder's encoder) reads feature frames through
-  the shared ConvStem; its output is the stack run on the stem's output, and the frames' segment
-  ids follow the stem (padding frames unseen)."""
-  from nnx_zoo.common.nn import position, transformer
+  """`frame_inputs`: an EncoderDecoder's encoder reads feature frames through the shared
+  ConvStem; its output is the stack run on the stem's output, and the frames' segment ids follow
+  the stem (padding frames unseen). (Frames are an encoder-decoder's input alone: the one path
+  that embeds them is the one Whisper trains with.)"""
+  from nnx_zoo.common.nn import transformer
   from nnx_zoo.zoo.bert import model as bert
+  from nnx_zoo.zoo.t5 import model as t5
 
-  cfg = bert.config("tiny", num_layers=1)
+  cfg = t5.config("tiny", num_layers=1)
   cfg.update(transformer.frame_inputs(channels=6, width=3, strides=(2,)))
-  cfg.position = position.config("sinusoidal", max_len=16)
-  cfg.type_vocab_size = 0
   model = models.build(cfg, seed=0)
-  assert model.embed is None and model.stem is not None
+  assert model.stem is not None
   x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 20, 6)), jnp.float32)
   seg = np.ones((2, 20), np.int32)
   seg[1, 12:] = 0
-  out = nnx.jit(lambda m, x, s: m.encode(x, segment_ids_BT=s))(model, x, jnp.asarray(seg))
+  out = nnx.jit(lambda m, x, s: m.encode(x, segment_ids_BS=s))(model, x, jnp.asarray(seg))
   assert out.shape == (2, 10, cfg.dim)
   noisy = x.at[1, 13:].set(9.0)  # frame 12 is under window 6's edge, which is padding too
-  again = nnx.jit(lambda m, x, s: m.encode(x, segment_ids_BT=s))(model, noisy, jnp.asarray(seg))
+  again = nnx.jit(lambda m, x, s: m.encode(x, segment_ids_BS=s))(model, noisy, jnp.asarray(seg))
   np.testing.assert_allclose(np.asarray(again[1, :6]), np.asarray(out[1, :6]), atol=1e-5)
-  with pytest.raises(UserError, match="attention_mask"):
-    model.encode(x, attention_mask=jnp.ones((2, 20)))
+  # An Encoder (BERT's) has no frame path: it names its inputs instead.
+  tokens_only = bert.config("tiny", num_layers=1)
+  tokens_only.inputs = "frames"
+  with pytest.raises(UserError, match="model.inputs"):
+    models.build(tokens_only, seed=0)
