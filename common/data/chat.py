@@ -170,6 +170,20 @@ def encode(template: Template, tokenizer, messages: list[dict], *, where: str = 
   return ids, weights
 
 
+def final_turn(weights: np.ndarray) -> np.ndarray:
+  """The weights of the last assistant turn only (the last run of ones): a preference pair's
+  reply, after a prompt that may hold earlier assistant turns."""
+  on = np.flatnonzero(weights)
+  if len(on) == 0:
+    return weights
+  start = on[-1]
+  while start > 0 and weights[start - 1]:
+    start -= 1
+  out = np.zeros_like(weights)
+  out[start : on[-1] + 1] = 1
+  return out
+
+
 @dataclasses.dataclass
 class Encoded:
   """Conversations tokenized: each one's ids and weights, and how many were dropped."""

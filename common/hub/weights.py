@@ -131,6 +131,33 @@ def restore_params(cfg, workdir: str, layout=None) -> tuple[nnx.GraphDef, nnx.St
   return graphdef, state[key], int(state["step"])
 
 
+def with_init_from(loaded: nnx.State, fresh: nnx.State, shardings) -> nnx.State:
+  """`fresh` params (placed, in the model's layout) with what `init_params` read in their place:
+  what init_from does not give (adapters, init_reinit) stays fresh; placed as `shardings`."""
+  params = jax.tree.map(  # one tree per layer (init_params), stacked back if scanned
+    lambda got, new: new if isinstance(got, jax.ShapeDtypeStruct) else got,
+    loaded,
+    stacking.unstack_layers(fresh),
+  )
+  return jax.device_put(stacking.match_layers(params, fresh), shardings)
+
+
+def init_from_params(cfg, layout=None) -> tuple[nnx.GraphDef, nnx.State]:
+  """The model of `cfg` with the weights of its `init_from` (a run's starting point, and the dpo
+  task's reference model), placed on `layout`'s mesh as the train step places params."""
+  abstract = models.abstract(cfg.model)
+  graphdef, abstract_params = nnx.graphdef(abstract), nnx.state(abstract, nnx.Param)
+  if layout is None:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, abstract_params)
+  else:
+    shardings = layout.shardings(layout.param_specs(abstract_params))
+  fresh = jax.jit(
+    lambda: nnx.state(models.build(cfg.model, seed=cfg.seed), nnx.Param), out_shardings=shardings
+  )()
+  return graphdef, with_init_from(init_params(cfg, abstract_params), fresh, shardings)
+
+
 def init_params(cfg, params: nnx.State) -> nnx.State:
   """`params` (arrays, or abstract ShapeDtypeStructs) with the weights of `init_from` (a zoo
   run's workdir, a `zoo convert` output or a Hugging Face directory) in their place, one tree

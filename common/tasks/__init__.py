@@ -27,6 +27,7 @@ MODULES = (
   "nnx_zoo.common.tasks.contrastive",
   "nnx_zoo.common.tasks.denoiser",
   "nnx_zoo.common.tasks.speech",
+  "nnx_zoo.common.tasks.preference",
 )
 
 
@@ -62,6 +63,14 @@ class Task:
     """The rows `mesh.context` splits (a language model's next-token rows), or None: the task
     has no token rows to split."""
     return None
+
+  def configure(self, cfg) -> "Task":
+    """The task as `cfg` sets it up (its own config section, checked): `of(cfg)` returns it."""
+    return self
+
+  def prepare(self, data, *, cfg, layout=None) -> None:
+    """What the task computes once over the loaded data before training or evaluating (dpo:
+    the reference model's log-probabilities of every pair); nothing by default."""
 
   def generate(self, args, cfg) -> None:
     """`zoo generate --workdir W` of a run of this task (prints or writes what it makes)."""
@@ -101,7 +110,7 @@ def get(name: str) -> Task:
 
 def of(cfg) -> Task:
   """The task of a config: its `task`, or for a config saved before that key, `infer(cfg)`."""
-  return get(cfg.get("task") or infer(cfg))
+  return get(cfg.get("task") or infer(cfg)).configure(cfg)
 
 
 def infer(cfg) -> str:

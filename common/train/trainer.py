@@ -20,7 +20,6 @@ from nnx_zoo.common import files, mesh, models, parallel, tasks
 from nnx_zoo.common.data import kinds, prepared
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
-from nnx_zoo.common.nn import stacking
 from nnx_zoo.common.train import faults, optim
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.common.train.metrics import MetricsLog
@@ -57,18 +56,13 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   else:
     state = jax.jit(lambda: steps.init_state(cfg, tx)[1], out_shardings=shardings)()
     if init_from is not None:  # what it does not give (adapters, init_reinit) stays fresh
-      params = jax.tree.map(  # one tree per layer (init_params), stacked back if scanned
-        lambda loaded, fresh: fresh if isinstance(loaded, jax.ShapeDtypeStruct) else loaded,
-        init_from,
-        stacking.unstack_layers(state.params),
-      )
-      params = stacking.match_layers(params, state.params)
-      params = jax.device_put(params, shardings.params)
+      params = weights.with_init_from(init_from, state.params, shardings.params)
       state = dataclasses.replace(state, params=params)
       if state.ema is not None:  # the average starts at the loaded weights (its own buffers)
         state = dataclasses.replace(state, ema=jax.tree.map(jnp.copy, params))
   start = int(state.step)
   task = tasks.of(cfg)
+  task.prepare(data, cfg=cfg, layout=layout)  # what it computes once over the data (dpo)
   step_fn = steps.make_train_step(cfg, tx=tx, layout=layout, shardings=shardings)
   graphdef = nnx.graphdef(models.abstract(cfg.model))
   tokens_per_step = cfg.train.batch_size * data.tokens_per_row

@@ -179,9 +179,7 @@ def test_truncated_like_transformers(tokenizer_dirs, marked):
 
 
 def test_end_of_turn(tokenizer_dirs):
-  eot = {
-    n: chat.template(zoo_data(tokenizer_dirs[n, False])).end_of_turn for n in TEMPLATES
-  }
+  eot = {n: chat.template(zoo_data(tokenizer_dirs[n, False])).end_of_turn for n in TEMPLATES}
   assert eot == {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>"}
 
 
@@ -241,7 +239,9 @@ def test_no_template_refused():
 
 def test_template_that_does_not_render():
   with pytest.raises(UserError, match="does not render"):
-    chat.Template("{{ raise_exception('no system role') }}").render([{"role": "user", "content": "x"}])
+    chat.Template("{{ raise_exception('no system role') }}").render(
+      [{"role": "user", "content": "x"}]
+    )
 
 
 def test_pack_keeps_conversations_whole():
