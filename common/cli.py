@@ -16,7 +16,8 @@ zoo run  EXP --workdir DIR [--config.KEY=VALUE ...]   # train; resumes if DIR ha
 zoo eval EXP --workdir DIR [--config.KEY=VALUE ...]   # held-out loss of DIR's latest checkpoint
 zoo generate --workdir DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
 zoo generate --workdir DIR --audio FILE.wav [--language en --task transcribe]  # a speech
-             model's transcript of up to 30 s (a speech run, or a converted Whisper checkpoint)
+             model's transcript (a speech run, or a converted Whisper checkpoint), window by
+             window where the file is longer than the model's window
 zoo generate --workdir DIR (--labels 3,3,7 | --num-per-label N) --out FILE.npz [--guidance G
              --steps S --eta E --seed I]             # a class-conditional image model (DiT)
 zoo data prepare EXP --out DIR [--workers N] [--config.KEY=VALUE ...]  # tokenize the
