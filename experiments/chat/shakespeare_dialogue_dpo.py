@@ -12,7 +12,6 @@ Data:      the conversations of chat/shakespeare-dialogue, each cut before its l
            speeches drawn from the same play (common/data/dialogue.py); held out by play.
 """
 
-import ml_collections
 
 from nnx_zoo.common.tasks import preference
 from nnx_zoo.experiments.chat import shakespeare_dialogue

@@ -5,6 +5,7 @@ unmarked (the zoo finds the turns by rendering prefixes; the reference is the ma
 mask), on multi-turn, system-prompt and truncated conversations, with a real BPE tokenizer
 (GPT-2's merges, Llama 3's pre-tokenizer, the templates' special tokens added)."""
 
+import functools
 import importlib.resources
 import json
 
@@ -127,10 +128,14 @@ def zoo_data(path: str, **kw):
   )
 
 
-def reference(path: str, messages, max_length=None):
+@functools.cache
+def hf_tokenizer(path: str):
   transformers = pytest.importorskip("transformers")
-  tok = transformers.AutoTokenizer.from_pretrained(path)
-  out = tok.apply_chat_template(
+  return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def reference(path: str, messages, max_length=None):
+  out = hf_tokenizer(path).apply_chat_template(
     messages,
     tokenize=True,
     return_dict=True,
@@ -253,3 +258,34 @@ def test_pack_keeps_conversations_whole():
   assert [len(np.unique(r[r > 0])) for r in seg] == [2, 1, 1]
   assert packed["loss_weights"].sum() == sum(len(i) for i in ids)
   assert (packed["tokens"][seg == 0] == 0).all()
+
+
+def test_prepared_chat_shards_hold_the_startup_encoding(tmp_path):
+  """`zoo data prepare` of chat data writes each conversation's ids and assistant mask as the
+  start-up path encodes them (kind shakespeare, format chat), and the prepared kind trains on
+  those weights."""
+  from nnx_zoo.common import experiments
+  from nnx_zoo.common.data import dialogue, pipeline, prepare, prepared
+  from nnx_zoo.common.train import trainer
+
+  cfg = experiments.get_config(
+    "chat/shakespeare-dialogue:smoke", {"data.eval_plays": "two_gentlemen_of_verona"}
+  )
+  prepare.prepare(cfg.data, str(tmp_path), workers=1, progress=False)
+  split = prepared.Split(str(tmp_path), "train")
+  template = chat.template(cfg.data)
+  tokenizer = zoo_tokenizers.load(cfg.data.tokenizer)
+  text = pipeline.read_shakespeare(["tempest"])[0]
+  want = [
+    chat.encode(template, tokenizer, m)
+    for m in dialogue.conversations("tempest", text, budget=cfg.data.seq_len * 3 // 4)
+  ]
+  tokens, _, weights = split.window(np.array([0]), sum(len(i) for i, _ in want))
+  np.testing.assert_array_equal(tokens.ravel(), np.concatenate([i for i, _ in want]))
+  # The window's weights are each token's as a target: the mask as written.
+  np.testing.assert_array_equal(weights.ravel(), np.concatenate([w for _, w in want]))
+  run = experiments.get_config(
+    "chat/shakespeare-dialogue:smoke", {"data.kind": "prepared", "data.path": str(tmp_path)}
+  )
+  batch = next(trainer.load_data(run).iterator)
+  assert "loss_weights" in batch and 0 < batch["loss_weights"].mean() < 1

@@ -83,8 +83,8 @@ def test_prepare_fills_the_reference_with_the_init_from_model(setup, tmp_path):
   graphdef, params = weights.restore_params(cfg, str(tmp_path / "sft"))[:2]
   model = nnx.merge(graphdef, params)
   rows = data.eval
-  want = np.asarray(preference.sequence_logps(model, {k: rows.packed[k][:3] for k in
-                                                        ("tokens", "segment_ids", "loss_weights")}))  # fmt: skip
+  first = {k: rows.packed[k][:3] for k in ("tokens", "segment_ids", "loss_weights")}
+  want = np.asarray(preference.sequence_logps(model, first))
   np.testing.assert_allclose(rows.packed["reference"][:3], want, rtol=1e-5)
   assert (data.train.packed["reference"] < 0).all()
 
