@@ -80,7 +80,7 @@ def template(data_cfg) -> Template:
   from nnx_zoo.common.data import tokenizers
 
   special = tuple(sorted(tokenizers.special_tokens(data_cfg.tokenizer).items()))
-  given = data_cfg.chat_template
+  given = data_cfg.get("chat_template", "")  # a converted checkpoint's config has none
   if given:
     if given.endswith(".jinja"):
       if not os.path.isfile(given):

@@ -241,9 +241,12 @@ def _write_atomically(out: str, write: Callable[[str], None]):
 
 
 def _tokenizer_config(out: str, files: list[str]) -> ml_collections.ConfigDict:
-  """The data.tokenizer config that loads the tokenizer files copied into `out`."""
+  """The data.tokenizer config that loads the tokenizer files copied into `out`: the directory
+  where a tokenizer_config.json or chat_template.jinja came along (its chat template and special
+  tokens, what `zoo chat` renders with), else the tokenizer's own file."""
   if "tokenizer.json" in files:
-    return tokenizers_lib.config("hf", os.path.join(out, "tokenizer.json"))
+    with_chat = {"tokenizer_config.json", "chat_template.jinja"} & set(files)
+    return tokenizers_lib.config("hf", out if with_chat else os.path.join(out, "tokenizer.json"))
   if "vocab.json" in files and "merges.txt" in files:
     return tokenizers_lib.config("gpt2", out)
   if "tokenizer.model" in files:
@@ -326,6 +329,10 @@ def export_hf(workdir: str, out: str) -> dict:
   ]
   tok = meta.get("data", {}).get("tokenizer", {})
   tok_json = tok.get("path", "") if tok.get("kind") == "hf" and not files else ""
+  if os.path.isdir(tok_json):  # a tokenizer directory: its files (template, special tokens)
+    files = [os.path.join(tok_json, f) for f in TOKENIZER_FILES]
+    files = [f for f in files if os.path.isfile(f)]
+    tok_json = ""
 
   def write(tmp):
     os.makedirs(tmp)
@@ -334,8 +341,8 @@ def export_hf(workdir: str, out: str) -> dict:
     save_file(tensors, os.path.join(tmp, weights_name), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(hf_config, f, indent=2, sort_keys=True)
-    for f in files:
-      shutil.copy(os.path.join(workdir, f), os.path.join(tmp, f))
+    for f in files:  # names in the workdir, or paths in a tokenizer directory
+      shutil.copy(os.path.join(workdir, f), os.path.join(tmp, os.path.basename(f)))
     if tok_json and os.path.isfile(tok_json):
       shutil.copy(tok_json, os.path.join(tmp, "tokenizer.json"))
 

@@ -289,3 +289,36 @@ def test_prepared_chat_shards_hold_the_startup_encoding(tmp_path):
   )
   batch = next(trainer.load_data(run).iterator)
   assert "loss_weights" in batch and 0 < batch["loss_weights"].mean() < 1
+
+
+@pytest.mark.slow
+def test_zoo_chat_answers_with_the_template_and_stops_at_the_end_of_turn(tmp_path, capsys):
+  """`zoo chat --messages` on a (one-step) chat run: the greedy continuation of the rendered
+  prompt with the generation prompt, cut where the template's end of turn begins."""
+  import jax
+
+  from nnx_zoo.common import cli, experiments, sampling
+  from nnx_zoo.common.hub import weights
+  from nnx_zoo.common.train import trainer
+
+  cfg = experiments.get_config("chat/shakespeare-dialogue:smoke", {"train.steps": "1"})
+  trainer.train(cfg, str(tmp_path / "run"), progress=False)
+  messages = [
+    {"role": "system", "content": "Tempest, Act 1, SCENE 2. You are MIRANDA."},
+    {"role": "user", "content": "PROSPERO: Be collected."},
+  ]
+  (tmp_path / "m.json").write_text(json.dumps(messages))
+  capsys.readouterr()
+  argv = ["chat", "--workdir", str(tmp_path / "run"), "--messages", str(tmp_path / "m.json")]
+  assert cli.main([*argv, "--temperature", "0", "--max-new-tokens", "40"]) == 0
+  answer = capsys.readouterr().out.rstrip("\n")
+  template = chat.template(cfg.data)
+  tokenizer = zoo_tokenizers.load(cfg.data.tokenizer)
+  prompt, _ = tokenizer.encode_chat(template.render(messages, add_generation_prompt=True))
+  graphdef, params, _ = weights.restore_params(cfg, str(tmp_path / "run"))
+  out = sampling.generate(
+    (graphdef, params), prompt[None], max_new_tokens=40, rng=jax.random.key(0), temperature=0
+  )
+  full = tokenizer.decode(out[0, len(prompt) :].tolist())
+  assert answer == full.split("<|end|>")[0]
+  assert "<|end|>" not in answer
