@@ -244,7 +244,6 @@ def cmd_eval(args, overrides):
   data = trainer.load_data(cfg, train=False, layout=layout)
   if data.eval is None:
     raise UserError(f"{args.exp} has no held-out split: set data.eval_files.")
-  tasks.of(cfg).prepare(data, cfg=cfg, layout=layout)  # dpo: the reference's log-probabilities
   result = trainer.evaluate(params, data, graphdef=graphdef, cfg=cfg, layout=layout)
   result.update(tasks.of(cfg).score(graphdef, params, cfg))  # a denoiser's samples, say
   log = metrics.MetricsLog(args.workdir)

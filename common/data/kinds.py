@@ -39,9 +39,6 @@ class Data:
   # A held-out metric computed from the params beyond the loss, (graphdef, params) -> dict
   # (speech: the word error rate of greedy transcripts).
   score: Callable[..., dict] | None = None
-  # The training split's rows where a task precomputes something over them (dpo: the reference
-  # model's log-probabilities, `Task.prepare`); None when the kind does not keep them.
-  train: object | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,6 @@ from one document into the next. The training iterator is a grain DatasetIterato
 goes into every checkpoint: a resumed run sees exactly the batches it would have seen.
 """
 
-import dataclasses
 import glob
 import importlib.util
 import os
@@ -339,8 +338,7 @@ def _reply(value, where: str, key: str) -> list[dict]:
 def conversation_split(cfg, split: str, tokenizer) -> Rows | None:
   """The rows of chat or preference data (common/data/chat.py): a chat split's conversations
   packed whole into rows with their loss weights; a preference split one pair a row, [N, 2,
-  seq_len + 1] (chosen, rejected), the loss weights on the final reply only, and a
-  `reference` [N, 2] the dpo task fills with the reference model's log-probabilities."""
+  seq_len + 1] (chosen, rejected), the loss weights on the final reply only."""
   if cfg.format not in FORMATS:
     raise UserError(f"Unknown data.format {cfg.format!r}: use one of {', '.join(FORMATS)}.")
   records = _conversations(cfg, split)
@@ -391,7 +389,6 @@ def conversation_split(cfg, split: str, tokenizer) -> Rows | None:
       at = divmod(j, 2)
       packed["tokens"][at][: len(t)], packed["segment_ids"][at][: len(t)] = t, 1
       packed["loss_weights"][at][: len(t)] = w
-    packed["reference"] = np.zeros((n, 2), np.float32)
   if encoded.dropped:
     files.warn(
       f"{encoded.dropped} {cfg.format} records of the {split} data have no assistant token "
@@ -530,8 +527,7 @@ def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Dat
     rows = load_split(cfg.data, "train", tokenizer)
     iterator = train_iterator(rows, batch_size=batch_size, seed=cfg.seed, share=share)
   held_out = load_split(cfg.data, "eval", tokenizer)
-  data = kinds.Data(iterator, held_out, eval_batches, cfg.data.seq_len)
-  return dataclasses.replace(data, train=rows) if train else data
+  return kinds.Data(iterator, held_out, eval_batches, cfg.data.seq_len)
 
 
 for _kind in KINDS:

@@ -68,9 +68,15 @@ class Task:
     """The task as `cfg` sets it up (its own config section, checked): `of(cfg)` returns it."""
     return self
 
-  def prepare(self, data, *, cfg, layout=None) -> None:
-    """What the task computes once over the loaded data before training or evaluating (dpo:
-    the reference model's log-probabilities of every pair); nothing by default."""
+  def prepare(self, data, *, cfg, layout=None) -> "Task":
+    """What the task sets up once before training or evaluating (dpo: its reference model);
+    the task itself, ready for `complete`."""
+    return self
+
+  def complete(self, batch: dict, params) -> dict:
+    """The batch (placed on the mesh) with what the task computes from it before a train or
+    eval step (dpo: the reference model's log-probabilities); the batch itself by default."""
+    return batch
 
   def generate(self, args, cfg) -> None:
     """`zoo generate --workdir W` of a run of this task (prints or writes what it makes)."""

@@ -8,12 +8,14 @@ being trained and the reference the frozen `init_from` weights:
     rejected_reward = beta * (log pi(rejected) - log ref(rejected))
     loss            = -log sigmoid(chosen_reward - rejected_reward)
 
-The reference's log-probabilities are computed once, before the first step, over every pair
-of both splits (`prepare`: the init_from weights, placed on the mesh as the params are, run
-forward and dropped) and ride in the batch as `reference` [B, 2]: no second model in the train
-step, no reference weights in memory while training, and under LoRA the reference is the base
-model without a copy (the adapters start at zero). bench/dpo_reference.py measures this against
-a reference run in every step.
+The reference's log-probabilities of each batch come from a forward pass of the reference
+model before the train step (`complete`), and ride in the batch as `reference` [B, 2]. The
+reference holds no optimizer state and is placed on the mesh as the params are (`prepare`: the
+init_from weights); under LoRA it is the base model without a copy (the params with every
+adapter at zero: a fresh adapter changes nothing). Precomputing them once for every pair costs a
+forward pass per pair instead of per visit: bench/dpo_reference.py measured that as the dearer
+choice for a run that visits each pair about once (chat/shakespeare-dialogue-dpo: 0.35 of an
+epoch), so the zoo computes them per batch.
 
 Held out: the loss, the mean rewards, their margin, `reward_accuracy` (chosen reward above
 rejected) and `preference_accuracy`: the share of pairs whose chosen reply the model itself
@@ -26,9 +28,10 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from nnx_zoo.common import parallel, tasks
+from nnx_zoo.common import models, parallel, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import weights
+from nnx_zoo.common.nn import lora
 from nnx_zoo.common.train import losses
 
 
@@ -111,36 +114,33 @@ class DPO(tasks.Task):
       )
     return DPO(float(cfg.preference.beta))
 
-  def prepare(self, data, *, cfg, layout=None) -> None:
-    """Fills the `reference` of every pair of both splits with the log-probabilities of the
-    `init_from` weights (the reference model), computed in order, batch by batch, on the mesh."""
+  def prepare(self, data, *, cfg, layout=None) -> "DPO":
+    """The reference model, ready for `complete`: the `init_from` weights placed on the mesh as
+    the params are; under LoRA (training adapters only) none, the base being the params
+    themselves with the adapters at zero."""
     if not cfg.init_from:
       raise UserError(
         "The dpo task trains against a reference model, the weights it starts from: set "
         "--config.init_from to an SFT run's workdir (or a converted checkpoint)."
       )
-    graphdef, params = weights.init_from_params(cfg, layout)
-    out = None if layout is None else parallel.NamedSharding(layout.mesh, parallel.P())
-    step = jax.jit(
-      lambda params, batch: sequence_logps(nnx.merge(graphdef, params), batch),
-      out_shardings=out,
-    )
-    from nnx_zoo.common.train import step as steps
+    graphdef = nnx.graphdef(models.abstract(cfg.model))
+    self._reference = None
+    if not (cfg.model.lora.rank and not cfg.model.lora.train):
+      graphdef, self._reference = weights.init_from_params(cfg, layout)
+    self._logps = jax.jit(lambda p, b: sequence_logps(nnx.merge(graphdef, p), b))
+    return self
 
-    for rows in (data.train, data.eval):
-      if rows is None:
-        continue
-      if "reference" not in rows.packed:
-        raise UserError("The dpo task needs preference data: set --config.data.format=preference.")
-      done = 0
-      reference = rows.packed["reference"]
-      for batch in data.eval_batches(rows, batch_size=cfg.train.batch_size, max_batches=0):
-        batch = {k: v for k, v in batch.items() if k != "reference"}
-        logps = np.asarray(step(params, steps.put_batch(batch, layout, self)))
-        n = min(len(logps), len(reference) - done)
-        reference[done : done + n] = logps[:n]
-        done += n
-    del params
+  def complete(self, batch, params):
+    """The batch with `reference` [B, 2]: the reference model's log-probabilities of its pairs
+    (a forward pass, placed as the batch is)."""
+    if not hasattr(self, "_logps"):
+      raise RuntimeError("DPO.complete before prepare: the trainer prepares the task first.")
+    if self._reference is None:  # LoRA: the base is the params with every adapter at zero
+      adapters, base = nnx.split_state(params, lora.LoRAParam, ...)
+      reference = nnx.merge_state(jax.tree.map(jnp.zeros_like, adapters), base)
+    else:
+      reference = self._reference
+    return {**batch, "reference": self._logps(reference, batch)}
 
 
 tasks.register(DPO())

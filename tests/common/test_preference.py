@@ -1,12 +1,15 @@
 """The dpo task against the paper's formula in numpy (Rafailov et al., 2023, eq. 7), its
 held-out metrics, the reference log-probabilities `prepare` fills in, and its refusals."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from nnx_zoo.common import experiments, models, tasks
 from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub import weights
+from nnx_zoo.common.nn import lora
 from nnx_zoo.common.tasks import preference
 from nnx_zoo.common.train import trainer
 
@@ -67,26 +70,34 @@ def test_pairs_keep_their_reply_weights_only(setup):
 
 
 @pytest.mark.slow
-def test_prepare_fills_the_reference_with_the_init_from_model(setup, tmp_path):
-  cfg, _, _, _ = setup
+def test_reference_is_the_init_from_model_and_under_lora_the_base(tmp_path):
+  """`complete` adds the init_from model's log-probabilities; under LoRA, the base's (the params
+  with their adapters at zero), however far the adapters have moved."""
   sft = experiments.get_config("chat/shakespeare-dialogue:smoke", {"train.steps": "1"})
   trainer.train(sft, str(tmp_path / "sft"), progress=False)
-  cfg = experiments.get_config(
-    "chat/shakespeare-dialogue-dpo:smoke",
-    {"train.batch_size": "4", "init_from": str(tmp_path / "sft")},
-  )
+  overrides = {"train.batch_size": "4", "init_from": str(tmp_path / "sft")}
+  cfg = experiments.get_config("chat/shakespeare-dialogue-dpo:smoke", overrides)
   data = trainer.load_data(cfg)
-  task = tasks.of(cfg)
-  task.prepare(data, cfg=cfg)
-  from nnx_zoo.common.hub import weights
-
+  batch = {k: np.asarray(v) for k, v in next(data.iterator).items()}
   graphdef, params = weights.restore_params(cfg, str(tmp_path / "sft"))[:2]
-  model = nnx.merge(graphdef, params)
-  rows = data.eval
-  first = {k: rows.packed[k][:3] for k in ("tokens", "segment_ids", "loss_weights")}
-  want = np.asarray(preference.sequence_logps(model, first))
-  np.testing.assert_allclose(rows.packed["reference"][:3], want, rtol=1e-5)
-  assert (data.train.packed["reference"] < 0).all()
+  want = np.asarray(preference.sequence_logps(nnx.merge(graphdef, params), batch))
+  task = tasks.of(cfg).prepare(data, cfg=cfg)
+  fresh = nnx.state(models.build(cfg.model, seed=3), nnx.Param)  # not the reference
+  np.testing.assert_allclose(task.complete(batch, fresh)["reference"], want, rtol=1e-5)
+
+  lora_cfg = experiments.get_config(
+    "chat/shakespeare-dialogue-dpo:smoke", {**overrides, "model.lora.rank": "4"}
+  )
+  task = tasks.of(lora_cfg).prepare(data, cfg=lora_cfg)
+  assert task._reference is None  # no second copy of the base
+  loaded = weights.init_from_params(lora_cfg)[1]
+  adapters, base = nnx.split_state(loaded, lora.LoRAParam, ...)
+  moved = nnx.merge_state(jax.tree.map(lambda x: x + 0.5, adapters), base)
+  moved_logps = preference.sequence_logps(
+    nnx.merge(nnx.graphdef(models.abstract(lora_cfg.model)), moved), batch
+  )
+  assert np.abs(np.asarray(moved_logps) - want).max() > 0.1  # the adapters do move the policy
+  np.testing.assert_allclose(task.complete(batch, moved)["reference"], want, rtol=1e-5)
 
 
 def test_dpo_without_init_from_is_refused(setup):
