@@ -181,3 +181,43 @@ def test_encoder_of_frames_through_a_conv_stem():
   tokens_only.inputs = "frames"
   with pytest.raises(UserError, match="model.inputs"):
     models.build(tokens_only, seed=0)
+
+
+def test_a_config_saved_before_keys_were_declared_builds_the_same_model():
+  """The layers index every key; a config saved without the keys added since (its stack's, the
+  blocks' modulation and mlp_norm) is read as today's by models.build, and builds the same
+  model."""
+  from nnx_zoo.zoo.t5 import model as t5
+
+  for cfg, added in (
+    (llama.config("tiny"), ("modulation", "mlp_norm", "final_softcap")),
+    (t5.config("tiny"), ("modulation", "mlp_norm", "final_softcap", "inputs")),
+  ):
+    old = cfg.to_dict()
+    for key in added:
+      del old[key]
+    want = nnx.state(models.build(cfg, seed=0), nnx.Param)
+    got = nnx.state(models.build(old, seed=0), nnx.Param)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_a_stack_s_keys_come_from_its_builder():
+  """transformer.config(stack=...) takes the keys a stack's builder declares, not a dict."""
+  from nnx_zoo.common.nn import position, transformer
+
+  shared = dict(
+    family="llama",
+    vocab_size=8,
+    dim=8,
+    num_layers=1,
+    attention=attention.config(num_heads=2, head_dim=4),
+    position=position.config("rope"),
+    norm=norms.config("rms"),
+    mlp=mlp.config("swiglu", hidden_dim=16),
+  )
+  cfg = transformer.config(**shared, stack=transformer.decoder_keys(final_softcap=30.0))
+  assert (cfg.tie_embeddings, cfg.final_softcap) == (False, 30.0)
+  with pytest.raises(TypeError, match="decoder_keys"):
+    transformer.config(**shared, stack={"tie_embeddings": True, "final_softcap": 0.0})
