@@ -123,3 +123,14 @@ def test_identical_replies_refused(tmp_path):
   )
   with pytest.raises(UserError, match="same"):
     trainer.load_data(cfg)
+
+
+def test_data_show_prints_each_pair_as_its_two_rows(setup):
+  from nnx_zoo.common.data import report
+
+  cfg = setup[0]
+  chosen, rejected = report.rows(cfg, count=2)
+  start = chosen["weights"].index(1.0)  # the reply's first target
+  assert chosen["inputs"][:start] == rejected["inputs"][:start]  # one prompt
+  assert chosen["targets"][start:] != rejected["targets"][start:]  # two replies
+  assert rejected["weights"].index(1.0) == start
