@@ -14,9 +14,31 @@ _ACT = re.compile(r"^act\s+\S+", re.IGNORECASE)
 _SPEAKER = re.compile(r"^([A-Z][A-Za-z'\- ]{0,30}?)\.$")
 
 
+_SMALL = {"of", "the", "and", "a", "in"}
+
+
 def title(play: str) -> str:
-  """The play's name from its file stem: `twelfth_night` -> `Twelfth Night`."""
-  return play.replace("_", " ").title()
+  """The play's name from its file stem: `merry_wives_of_windsor` -> `Merry Wives of Windsor`,
+  `henry_iv_part_1` -> `Henry IV Part 1`."""
+  words = play.split("_")
+  out = []
+  for i, w in enumerate(words):
+    if i and re.fullmatch(r"[ivxlc]+", w):
+      out.append(w.upper())  # a regnal or part number
+    elif i and w in _SMALL:
+      out.append(w)
+    else:
+      out.append(w.capitalize())
+  return " ".join(out)
+
+
+def _act(line: str) -> str:
+  """An act's heading as `Act IV` (`ACT IV.`, `ACT 4`, `ACT FIRST.` -> `Act First`)."""
+  parts = line.rstrip(".").split(None, 1)
+  number = parts[1] if len(parts) > 1 else ""
+  if not re.fullmatch(r"[IVXLC]+|\d+", number):
+    number = number.title()
+  return f"Act {number}".strip()
 
 
 def scenes(text: str) -> list[tuple[str, list[tuple[str, str]]]]:
@@ -29,7 +51,7 @@ def scenes(text: str) -> list[tuple[str, list[tuple[str, str]]]]:
     if not lines:
       continue
     if _ACT.match(lines[0]):
-      act = lines[0].rstrip(".").title()
+      act = _act(lines[0])
       lines = lines[1:]  # "ACT 1" and "SCENE 1" may share a block
       if not lines:
         continue
