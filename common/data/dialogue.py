@@ -79,17 +79,18 @@ def conversations(play: str, text: str, *, budget: int) -> list[list[dict]]:
   (named) the user's."""
   out = []
   for heading, speeches in scenes(text):
-    window, size = [], 0
+    windows, size = [[]], 0
     for speaker, speech in speeches:
       length = len(speaker) + len(speech) + 4
-      if window and size + length > budget:
-        if len(window) >= 2:
-          messages = _messages(play, heading, window)
-          if messages is not None:
-            out.append(messages)
-        window, size = [], 0
-      window.append((speaker, speech))
+      if windows[-1] and size + length > budget:
+        windows.append([])
+        size = 0
+      windows[-1].append((speaker, speech))
       size += length
+    for window in windows:  # the scene's last one too
+      messages = _messages(play, heading, window) if len(window) >= 2 else None
+      if messages is not None:
+        out.append(messages)
   return out
 
 
