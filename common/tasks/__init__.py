@@ -120,15 +120,17 @@ def of(cfg) -> Task:
 
 
 def infer(cfg) -> str:
-  """The task of a config that names none, from what it holds: a diffusion section (denoiser),
-  an encoder-decoder of frames (speech) or of tokens (seq2seq), a CLIP pair of towers
-  (contrastive), a classifier head (classifier), else a language model."""
+  """The task of a config that names none, from what it holds: a diffusion section (denoiser), a
+  preference section (dpo), an encoder-decoder of frames (speech) or of tokens (seq2seq), a CLIP
+  pair of towers (contrastive), a classifier head (classifier), else a language model."""
   from nnx_zoo.common import models
   from nnx_zoo.common.nn.denoiser import Denoiser
   from nnx_zoo.common.nn.encoder_decoder import EncoderDecoder
 
   if cfg.get("diffusion") is not None:
     return "denoiser"
+  if cfg.get("preference") is not None:
+    return "dpo"
   model_cls = models.family_module(cfg.model.family).Model
   if issubclass(model_cls, Denoiser):
     return "denoiser"
