@@ -322,3 +322,22 @@ def test_zoo_chat_answers_with_the_template_and_stops_at_the_end_of_turn(tmp_pat
   full = tokenizer.decode(out[0, len(prompt) :].tolist())
   assert answer == full.split("<|end|>")[0]
   assert "<|end|>" not in answer
+
+
+def test_files_of_conversations_train_and_refuse_a_record_without_messages(tmp_path):
+  """kind=files with format chat: JSONL conversations become weighted rows; a record without
+  `data.messages_field` is refused, naming the file and the record."""
+  from nnx_zoo.common import experiments
+  from nnx_zoo.common.train import trainer
+
+  good = {"messages": CONVERSATIONS["system"]}
+  (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(good) for _ in range(8)) + "\n")
+  overrides = {"data.kind": "files", "data.train_files": str(tmp_path / "train.jsonl")}
+  overrides["data.eval_plays"] = ""
+  cfg = experiments.get_config("chat/shakespeare-dialogue:smoke", overrides)
+  batch = next(trainer.load_data(cfg).iterator)
+  assert 0 < batch["loss_weights"].mean() < 1
+  (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "no messages"}) + "\n")
+  cfg.data.train_files = str(tmp_path / "bad.jsonl")
+  with pytest.raises(UserError, match="bad.jsonl.*messages"):
+    trainer.load_data(cfg)
