@@ -527,7 +527,8 @@ def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Dat
     rows = load_split(cfg.data, "train", tokenizer)
     iterator = train_iterator(rows, batch_size=batch_size, seed=cfg.seed, share=share)
   held_out = load_split(cfg.data, "eval", tokenizer)
-  return kinds.Data(iterator, held_out, eval_batches, cfg.data.seq_len)
+  pairs = 2 if cfg.data.format == "preference" else 1  # a row of preference data is two
+  return kinds.Data(iterator, held_out, eval_batches, pairs * cfg.data.seq_len)
 
 
 for _kind in KINDS:
