@@ -167,10 +167,11 @@ def _param_count(m) -> int:
   a = m.attention
   N, K, H, D, L = a.num_heads, a.num_kv_heads, a.head_dim, m.dim, m.num_layers
   mlp = m.mlp
-  experts = mlp.get("num_experts", 0) if mlp.get("kind") == "moe" else 0
+  moe = mlp.kind == "moe"
+  experts = mlp.num_experts if moe else 0
   ffn = 3 * D * mlp.hidden_dim * max(experts, 1) + D * experts
-  ffn += 3 * D * mlp.get("shared_hidden_dim", 0)
-  embed = m.vocab_size * D * (1 if m.get("tie_embeddings") else 2)
+  ffn += 3 * D * (mlp.shared_hidden_dim if moe else 0)
+  embed = m.vocab_size * D * (1 if m.tie_embeddings else 2)
   return L * (D * (N + 2 * K) * H + N * H * D + ffn) + embed
 
 
@@ -181,19 +182,19 @@ def _activation_bytes_per_row(m, seq_len: int) -> int:
   Hopper GPU (a soft-cap: Gemma 2), that layer's [N, T, T] fp32 scores and probabilities too.
   An MoE layer's MLP is its routed k experts' (and its dispatch buffers, the same again)."""
   a, mlp = m.attention, m.mlp
-  hidden = mlp.hidden_dim * (2 * mlp.top_k if mlp.get("kind") == "moe" else 1)
-  hidden += mlp.get("shared_hidden_dim", 0)
+  moe = mlp.kind == "moe"
+  hidden = mlp.hidden_dim * (2 * mlp.top_k if moe else 1) + (mlp.shared_hidden_dim if moe else 0)
   layer = seq_len * (2 * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + 4 * m.dim + 3 * hidden)
   impl, _ = attention_impl.resolve_auto(
     platform="gpu",
-    dtype=m.get("dtype", "float32"),
+    dtype=m.dtype,
     head_dim=a.head_dim,
     seq_len=seq_len,
     segments=True,
     softcap=bool(a.softcap),
     device_kind="NVIDIA H100",
   )
-  if a.get("impl", "auto") == "xla" or (a.get("impl", "auto") == "auto" and impl == "xla"):
+  if a.impl == "xla" or (a.impl == "auto" and impl == "xla"):
     layer += 2 * a.num_heads * seq_len * seq_len
   return m.num_layers * seq_len * m.dim * 2 + 2 * 4 * layer
 

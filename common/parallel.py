@@ -180,7 +180,7 @@ def check_fits(
   batch_shards = sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1) * micro_batches
   att = model_cfg.attention
   problems = []
-  experts = model_cfg.mlp.get("num_experts", 0) if model_cfg.mlp.kind == "moe" else 0
+  experts = model_cfg.mlp.num_experts if model_cfg.mlp.kind == "moe" else 0
   if sizes.get("expert", 1) > 1 and experts % sizes["expert"]:
     problems.append(
       f"model.mlp.num_experts={experts} is not divisible by expert={sizes['expert']}"

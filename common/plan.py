@@ -215,7 +215,7 @@ def model_flops(cfg) -> tuple[float, str]:
   how = f"6 x {params:.3g} active params x {tokens:,} tokens"
   att = m.get("attention")
   if att is not None and "num_layers" in m:
-    context = min(sequence(cfg), att.window) if att.get("window", 0) else sequence(cfg)
+    context = min(sequence(cfg), att.window) if att.window else sequence(cfg)
     flops += 12.0 * m.num_layers * att.num_heads * att.head_dim * context * tokens
     how += " + attention"
   return flops, how
@@ -244,7 +244,7 @@ def kernel_flops(cfg) -> tuple[float, str]:
   if "attention" not in m or "num_layers" not in m:
     return 0.0, ""
   T, B = sequence(cfg), cfg.train.batch_size
-  per_pair = 4 + 14 + (4 if m.get("remat", "none") == "full" else 0)
+  per_pair = 4 + 14 + (4 if m.remat == "full" else 0)
   flops = 0.0
   for i in range(m.num_layers):
     layer = stack.layer_config(m, i)
@@ -253,11 +253,11 @@ def kernel_flops(cfg) -> tuple[float, str]:
     impl = att.impl
     if impl == "auto":  # as the layer resolves it when traced for the slice
       impl, _ = attention_impl.resolve_auto(
-        platform="tpu", dtype=m.get("dtype", "float32"), head_dim=att.head_dim, seq_len=T, bias=bias
+        platform="tpu", dtype=m.dtype, head_dim=att.head_dim, seq_len=T, bias=bias
       )
     if impl != "flash" or bias:
       continue
-    pairs = _score_pairs(T, causal=att.get("mask") == "causal", window=att.get("window", 0))
+    pairs = _score_pairs(T, causal=att.mask == "causal", window=att.window)
     flops += per_pair * att.head_dim * att.num_heads * pairs * B
   return flops, ("splash attention, outside XLA's counts" if flops else "")
 
@@ -272,7 +272,7 @@ def int8_flops(cfg) -> tuple[float, str]:
   from nnx_zoo.common.nn.linear import Linear
 
   m = cfg.model
-  if m.get("quant", "none") != "int8":
+  if m.quant != "int8":
     return 0.0, ""
   weights = sum(
     int(x.kernel.size)
@@ -280,9 +280,9 @@ def int8_flops(cfg) -> tuple[float, str]:
     if isinstance(x, Linear) and x.quant is not None
   )
   passes = ["forward"]
-  if m.get("remat", "none") == "full":
+  if m.remat == "full":
     passes.append("its recomputation")
-  if m.get("quant_backward", True):
+  if m.quant_backward:
     passes += ["input gradient", "weight gradient"]
   tokens = cfg.train.batch_size * sequence(cfg)
   how = f"int8 products ({', '.join(passes)}) at the chip's int8 peak"
@@ -345,16 +345,15 @@ def estimate_cost(cfg, layout, compiled) -> dict:
   outside the layers and per period, and the step is micro_batches x (outside + layers / period
   x per period). A loop-free step (or a model without `num_layers`) is read as `compiled`."""
   layers = cfg.model.get("num_layers")
-  if not layers or (not cfg.model.get("scan", False) and cfg.train.micro_batches == 1):
+  if not layers or (not cfg.model.scan and cfg.train.micro_batches == 1):
     return _cost(compiled)
-  period = len(cfg.model.get("layer_pattern", ())) or 1
+  period = len(cfg.model.layer_pattern) or 1
   micro = cfg.train.micro_batches
   probes = []
   for n in (period, 2 * period):
     probe = copy.deepcopy(cfg)
     probe.model.num_layers = n
-    if "scan" in probe.model:
-      probe.model.scan = False
+    probe.model.scan = False
     probe.train.micro_batches = 1
     probe.train.batch_size = cfg.train.batch_size // micro
     probes.append(_cost(_compile(probe, layout)[1]))
@@ -393,8 +392,8 @@ def plan(cfg, topology: str | Topology, *, estimate_time: bool = True) -> dict:
     "batch_size": cfg.train.batch_size,
     "seq_len": sequence(cfg),
     "micro_batches": cfg.train.micro_batches,
-    "remat": cfg.model.get("remat", "none"),
-    "quant": cfg.model.get("quant", "none"),
+    "remat": cfg.model.remat,
+    "quant": cfg.model.quant,
     "hbm_bytes": topo.chip.hbm,
   }
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
@@ -486,7 +485,7 @@ def fixes(cfg, sizes: dict[str, int]) -> list[str]:
       f"--config.mesh.fsdp={sizes['fsdp'] * sizes['data']} --config.mesh.data=1 "
       "(shard parameters and optimizer state over more devices)"
     )
-  if cfg.model.get("remat", "none") != "full":
+  if cfg.model.remat != "full":
     out.append("--config.model.remat=full (recompute activations in the backward pass)")
   if not cfg.train.get("loss_chunk", 0) and cfg.model.get("vocab_size", 0) >= 32768:
     out.append(

@@ -153,7 +153,7 @@ def attention(hf: str, zoo: str, att) -> list[Rule]:
   shared Attention `zoo` with config `att` (its biases and QK-norm say which tensors exist)."""
   r = []
   for x in "qkv":
-    bias = att.qkv_bias and (x != "k" or att.get("key_bias", True))
+    bias = att.qkv_bias and (x != "k" or att.key_bias)
     r += linear(f"{hf}.{x}_proj", f"{zoo}.{x}", bias=bias)
   r += linear(f"{hf}.o_proj", f"{zoo}.o", bias=att.out_bias)
   if att.qk_norm != "none":

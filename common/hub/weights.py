@@ -53,7 +53,7 @@ def read_zoo(path: str) -> tuple[ml_collections.ConfigDict, nnx.State, dict]:
     params = ckpts.restore_latest({key: abstract})[key]  # the newest undamaged step
   finally:
     ckpts.close()
-  if cfg.get("lora") is not None and cfg.lora.rank:
+  if cfg.lora.rank:  # upgraded: every model config has model.lora
     cfg, params = merge_lora(cfg, params)
   return cfg, params, meta
 
