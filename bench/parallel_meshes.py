@@ -45,7 +45,7 @@ def measure(cfg, sizes, rounds):
   n = int(np.prod(sizes))
   layout = None
   if n > 1:
-    layout = parallel.make_layout(dict(zip(mesh.AXES, sizes, strict=True)), jax.devices()[:n])
+    layout = parallel.make_layout(dict(zip(mesh.AXES[1:], sizes, strict=True)), jax.devices()[:n])
   _, shardings = steps.placed_abstract_state(cfg, tx, layout)
   state = jax.device_put(state, shardings)
   rng = np.random.default_rng(0)

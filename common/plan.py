@@ -381,7 +381,7 @@ def plan(cfg, topology: str | Topology, *, estimate_time: bool = True) -> dict:
   parallel.check_experiment(cfg, sizes)
   # Always a mesh, even of one device: without one the step would be placed on this machine's
   # own default device (the CPU), not on the slice.
-  layout = parallel.make_layout(sizes, devs)
+  layout = parallel.experiment_layout(cfg, sizes, devs)
   result = {
     "experiment": cfg.get("experiment", ""),
     "topology": topo.cloud_name,
