@@ -85,7 +85,6 @@ def run_blocks(
         period=period,
         per_slot=per_slot,
         stream=stream,
-        num_layers=num_layers,
         kwargs=kwargs,
       )
       return x, None

@@ -10,7 +10,7 @@ the activations to stage s + 1 by `ppermute` (the last stage to the first, whose
 takes them M - S iterations later: a delay line of M - S slots). The other iterations are the
 bubbles, (S - 1) / (M x R + S - 1) of them: their inputs are zeroed, their weights' gradients,
 auxiliary losses and outputs masked with `where` (not multiplied: a NaN in a bubble stays out).
-Each iteration is rematerialised, keeping only its input (the carry).
+A stage's chunk on a micro-batch is rematerialised, keeping only its input.
 
 Storage. Checkpoints and every boundary keep the canonical stacked layout [repetitions, ...]:
 the train state stores it with the layer dim split over `pipeline` in contiguous blocks, which is
@@ -211,21 +211,12 @@ def _bubble_masked_bwd(valid, g):
 _bubble_masked.defvjp(_bubble_masked_fwd, _bubble_masked_bwd)
 
 
-def _vma(tree) -> frozenset:
-  """The mesh axes any leaf of an abstract tree (`jax.eval_shape`'s) varies over."""
-  out = frozenset()
-  for leaf in jax.tree.leaves(tree):
-    mat = getattr(leaf, "manual_axis_type", None)
-    out |= frozenset(mat.varying) if mat is not None else frozenset()
-  return out
-
-
 def circulate(fn, x_M, *, schedule: Schedule, policy=None, fill: float | None = None):
   """The circular schedule on this stage (inside shard_map over `pipeline`): micro-batches
   `x_M` [M, ...] (the same on every stage) through `fn(x, r, m, valid) -> (y, extra)`, this
   stage's chunk of repeat r on micro-batch m, in every iteration. Returns the last stage's
   outputs [M, ...] on every stage, and each leaf of `extra` summed over the valid iterations of
-  every stage. `policy`: the remat policy of an iteration (its input is kept)."""
+  every stage. `policy`: the remat policy of `fn` (its input is kept)."""
   S, R, M = schedule.stages, schedule.repeats, schedule.microbatches
   fill = FILL if fill is None else fill
   s = jax.lax.axis_index(AXIS)
@@ -237,9 +228,12 @@ def circulate(fn, x_M, *, schedule: Schedule, policy=None, fill: float | None = 
     k = jnp.clip(k, 0, M * R - 1)
     return k // M, k % M, valid
 
-  # The carry's type: what an iteration's output varies over (the stage's weights: pipeline).
-  y_shape, _ = jax.eval_shape(lambda x: fn(x, 0, 0, True), x_M[0])
-  axes = _vma(y_shape) | {AXIS}
+  # The carry's type: an output varies over the inputs' axes and the stage's (its weights vary
+  # over `pipeline`); one that varied over more would fail the scan's type check, not pass.
+  axes = parallel.varying(x_M) | {AXIS}
+  # The rematerialised unit: a stage's chunk on one micro-batch, keeping its input; the rest of
+  # an iteration (selects, the delay line, the send) keeps nothing a micro-batch large.
+  fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
   blank = parallel.to_varying(jnp.full(x_M.shape[1:], fill, x_M.dtype), axes)
   fifo = (
     jnp.broadcast_to(blank, (schedule.delay, *blank.shape)) if R > 1 and schedule.delay else None
@@ -261,7 +255,6 @@ def circulate(fn, x_M, *, schedule: Schedule, policy=None, fill: float | None = 
     extra = jax.tree.map(lambda e: jnp.where(valid, e, jnp.zeros_like(e)), extra)
     return (jax.lax.ppermute(y, AXIS, ring), fifo), (y, extra)
 
-  step = jax.checkpoint(step, policy=policy, prevent_cse=False)
   _, (ys, extras) = jax.lax.scan(step, (blank, fifo), jnp.arange(schedule.iterations))
   # Item (R - 1, m) leaves the last stage in iteration (R - 1) x M + m + S - 1.
   first = (R - 1) * M + S - 1
@@ -278,9 +271,8 @@ def _gathered(states, layout):
 
   def one(v):
     axes = getattr(v, "axes", None)
-    if (
-      axes is None or v.get_value().ndim <= 2
-    ):  # a layer's 1-D weights are stored whole (parallel.RULES)
+    # A layer's 1-D weights (norm scales, biases) are stored whole (Layout.param_spec).
+    if axes is None or v.get_value().ndim <= 2:
       return v
     return v.replace(parallel.gather(v.get_value(), (None, *tuple(axes)[1:])))
 
@@ -294,7 +286,7 @@ def _gathered_layout(layout):
     yield
 
 
-def run(stacked, x_BTD, *, rest, policy, period, per_slot, stream, num_layers, kwargs):
+def run(stacked, x_BTD, *, rest, policy, period, per_slot, stream, kwargs):
   """The stacked layers of one stack on `x_BTD` (this device's rows) in stages; the same
   result as `memory.run_blocks` without a pipeline. `kwargs` (and `per_slot[j]`, slot j's): what
   every layer takes; its arrays with one entry per row (positions, segment ids, a
@@ -326,6 +318,7 @@ def run(stacked, x_BTD, *, rest, policy, period, per_slot, stream, num_layers, k
   states = _gathered(tuple(s for _, s in splits), layout)
   local = stacking.num_stacked(stacked)  # this stage's repetitions of the pattern: R x n
   n = local // R
+  num_layers = local * S * period  # the stack's (the noise's depth is over all of them)
 
   def chunk(r, valid):
     def one(a):
