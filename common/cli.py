@@ -16,9 +16,12 @@ zoo run  EXP --workdir DIR [--config.KEY=VALUE ...]   # train; resumes if DIR ha
 zoo eval EXP --workdir DIR [--config.KEY=VALUE ...]   # held-out loss of DIR's latest checkpoint
 zoo generate --workdir DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
 zoo generate --workdir DIR --audio FILE.wav [--language en --task transcribe]  # a speech
-             model's transcript of up to 30 s (a speech run, or a converted Whisper checkpoint)
+             model's transcript (a speech run, or a converted Whisper checkpoint), window by
+             window where the file is longer than the model's window
 zoo generate --workdir DIR (--labels 3,3,7 | --num-per-label N) --out FILE.npz [--guidance G
              --steps S --eta E --seed I]             # a class-conditional image model (DiT)
+zoo chat --workdir DIR [--messages FILE.json] [--system TEXT]   # talk to a chat model (its
+             run's chat template, the KV cache, each answer cut at the end of its turn)
 zoo data prepare EXP --out DIR [--workers N] [--config.KEY=VALUE ...]  # tokenize the
              experiment's sources once (data.kind=prepared, data.path=DIR then trains from them)
 zoo data show EXP [--split train|eval] [--rows N] [--json]  # the rows the trainer would see
@@ -97,6 +100,15 @@ def parser() -> argparse.ArgumentParser:
   gen.add_argument("--top-k", type=int, default=0)
   gen.add_argument("--top-p", type=float, default=1.0)
   gen.add_argument("--seed", type=int, default=0)
+  talk = sub.add_parser("chat")
+  talk.add_argument("--workdir", required=True)
+  talk.add_argument("--messages", help="a JSON file of messages: print one answer and exit")
+  talk.add_argument("--system", help="a system message to open the conversation with")
+  talk.add_argument("--max-new-tokens", type=int, default=300)
+  talk.add_argument("--temperature", type=float, help="0: greedy (default 0.8)")
+  talk.add_argument("--top-k", type=int, default=0)
+  talk.add_argument("--top-p", type=float, default=1.0)
+  talk.add_argument("--seed", type=int, default=0)
   data = sub.add_parser("data")
   data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=Parser)
   prep = data_sub.add_parser("prepare")
@@ -254,6 +266,19 @@ def cmd_generate(args, _overrides):
   tasks.of(cfg).generate(args, cfg)
 
 
+def cmd_chat(args, _overrides):
+  """A language model's answers in a conversation, rendered with its run's chat template."""
+  from nnx_zoo.common import config as config_lib
+  from nnx_zoo.common.tasks import language_model
+
+  path = os.path.join(args.workdir, "config.json")
+  if not os.path.exists(path):
+    raise UserError(f"{args.workdir} has no config.json: give the --workdir of a `zoo run`.")
+  with open(path) as f:
+    cfg = config_lib.from_json(f.read())
+  language_model.chat(args, cfg)
+
+
 def cmd_data(args, overrides):
   from nnx_zoo.common import experiments
   from nnx_zoo.common.data import prepare, report
@@ -296,6 +321,7 @@ COMMANDS = {
   "run": cmd_run,
   "eval": cmd_eval,
   "generate": cmd_generate,
+  "chat": cmd_chat,
   "data": cmd_data,
   "convert": cmd_convert,
   "export": cmd_export,

@@ -169,6 +169,10 @@ ADDED_LATER = {
   "data.path": "",
   "data.mixture": "",
   "data.workers": 0,
+  "data.format": "text",
+  "data.messages_field": "messages",
+  "data.chat_template": "",
+  "data.loss_on": "assistant",
 }
 
 

@@ -41,10 +41,11 @@ def family_module(name: str):
 
 def build(cfg, *, seed: int = 0) -> nnx.Module:
   """The NNX model of a `model` config, with freshly initialised weights (and LoRA adapters
-  where `model.lora` asks for them)."""
+  where `model.lora` asks for them). A config saved before some of today's keys is read as
+  today's (`upgrade`): the layers index every key they read."""
+  cfg = upgrade(cfg)
   model = family_module(cfg.family).Model(cfg, rngs=nnx.Rngs(seed))
-  if cfg.get("lora") is not None:
-    lora.apply(model, cfg.lora, seed=seed)
+  lora.apply(model, cfg.lora, seed=seed)
   return model
 
 
@@ -73,7 +74,7 @@ def num_fixed(cfg) -> int:
 def num_active_params(cfg) -> int:
   """The parameters one token computes with: an MoE layer's experts (the weights with logical
   axis E) count top_k / num_experts of their size, everything else whole."""
-  experts = cfg.mlp.get("num_experts", 0) if cfg.mlp.kind == "moe" else 0
+  experts = cfg.mlp.num_experts if cfg.mlp.kind == "moe" else 0
   total = 0
   for _, var in nnx.to_flat_state(nnx.state(abstract(cfg), nnx.Param)):
     size = int(var.size)

@@ -13,6 +13,8 @@ REGISTRY = {
     "lm/gemma2-2b": "nnx_zoo.experiments.lm.gemma2_2b",
     "lm/gemma3-1b": "nnx_zoo.experiments.lm.gemma3_1b",
     "lm/shakespeare-finetune": "nnx_zoo.experiments.lm.shakespeare_finetune",
+    "chat/shakespeare-dialogue": "nnx_zoo.experiments.chat.shakespeare_dialogue",
+    "chat/shakespeare-dialogue-dpo": "nnx_zoo.experiments.chat.shakespeare_dialogue_dpo",
     "text/minilm-shakespeare-genre": "nnx_zoo.experiments.text.minilm_shakespeare_genre",
     "bench/llama-19m": "nnx_zoo.experiments.bench.llama_19m",
     "seq2seq/shakespeare-spans": "nnx_zoo.experiments.seq2seq.shakespeare_spans",

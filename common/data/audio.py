@@ -190,6 +190,38 @@ def spec_augment(
   return out
 
 
+def windows(
+  audio: np.ndarray, *, seconds: float, search: float = 0.5, smooth: float = 0.2
+) -> list[tuple[int, int]]:
+  """Spans [start, end) of samples that cover `audio` in order, each at most `seconds` long, for
+  a model that hears one window at a time. Where the rest of the audio runs past the window, the
+  span ends at the quietest point of the window's last `search` share: the lowest mean power
+  over `smooth` s around it, within 3 dB (a pause between words is longer than the gaps inside
+  one, so a word is not cut in two), in the middle of the latest such stretch."""
+  audio = np.asarray(audio, np.float32)
+  size = int(round(seconds * SAMPLE_RATE))
+  if size < HOP:
+    raise UserError(f"A window of {seconds} s is shorter than one frame.")
+  energy = np.concatenate([[0.0], np.cumsum(np.square(audio, dtype=np.float64))])
+  half = int(smooth * SAMPLE_RATE) // 2
+  spans, start = [], 0
+  while len(audio) - start > size:
+    # Candidate cuts on the frames' 10 ms grid, from the search region's start to the window's end.
+    at = np.arange(start + size - int(search * size), start + size + 1, HOP)
+    at = at[at > start]
+    lo, hi = np.maximum(at - half, 0), np.minimum(at + half, len(audio))
+    power = (energy[hi] - energy[lo]) / np.maximum(hi - lo, 1)
+    # As quiet as the quietest within 3 dB: a pause's background noise varies that little.
+    quiet = np.flatnonzero(power <= 2 * power.min() + 1e-20)
+    breaks = np.flatnonzero(np.diff(quiet) > 1)
+    first = quiet[breaks[-1] + 1] if len(breaks) else quiet[0]  # where the latest run begins
+    cut = int(at[(first + quiet[-1]) // 2])
+    spans.append((start, cut))
+    start = cut
+  spans.append((start, len(audio)))
+  return spans
+
+
 def read_wav(path: str, *, sample_rate: int = SAMPLE_RATE, max_seconds: float | None = None):
   """Mono float32 samples in [-1, 1] of a WAV file at `sample_rate`: other rates are resampled
   (polyphase, scipy's resample_poly), several channels averaged. A file longer than

@@ -1,6 +1,7 @@
 """Data: documents -> tokens -> packed fixed-length rows with segment ids -> grain batches.
 
-(Or, for a classifier, `kind="shakespeare_genre"`: one labelled line a row, see `genre_lines`.)
+(Or, for a classifier, `kind="shakespeare_genre"`: one labelled line a row, see `genre_lines`;
+for chat and preference data, `data.format`, conversations: see `conversation_split`.)
 
 A row holds `seq_len + 1` tokens (inputs and the shifted targets); documents are concatenated and
 cut into rows, each document with its own segment id, so attention and the loss never cross
@@ -19,7 +20,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from nnx_zoo.common.data import kinds, sources, tokenizers
+from nnx_zoo.common import files
+from nnx_zoo.common.data import chat, dialogue, kinds, sources, tokenizers
 from nnx_zoo.common.errors import UserError, suggest
 
 # Documents
@@ -235,6 +237,17 @@ def config(**kw) -> ml_collections.ConfigDict:
     "path": "",
     "mixture": "",
     "workers": 0,
+    # What a record is (common/data/chat.py): "text" (a document), "chat" (a conversation, its
+    # list of {role, content} in `messages_field`: loss on the assistant's turns only) or
+    # "preference" ({"prompt": messages, "chosen": reply, "rejected": reply}: the dpo task);
+    # the plays (kind shakespeare) as dialogue: scenes cut into conversations. `chat_template`:
+    # the Jinja chat template (or a .jinja file); "": the tokenizer directory's.
+    "format": "text",
+    "messages_field": "messages",
+    "chat_template": "",
+    # format "chat": the tokens the training loss covers, "assistant" (its turns) or "all" (every
+    # token, the ablation); the held-out loss is always the assistant's.
+    "loss_on": "assistant",
   }
   unknown = set(kw) - set(cfg)
   if unknown:
@@ -246,6 +259,8 @@ def config(**kw) -> ml_collections.ConfigDict:
 def load_split(cfg, split: str, tokenizer=None) -> Rows | None:
   """Tokenized, packed rows of a split; None when the config has no such split."""
   tokenizer = tokenizer or tokenizers.load(cfg.tokenizer)
+  if cfg.format != "text":
+    return conversation_split(cfg, split, tokenizer)
   if cfg.kind == "shakespeare_genre":
     lines, labels = genre_lines(cfg, split)
     return Rows(labelled_rows(lines, labels, tokenizer, cfg.seq_len), f"{cfg.kind}:{split}")
@@ -268,6 +283,123 @@ def load_split(cfg, split: str, tokenizer=None) -> Rows | None:
       "or lower data.seq_len."
     )
   return Rows(packed, f"{cfg.kind}:{split}:{cfg.seq_len}")
+
+
+FORMATS = ("text", "chat", "preference")
+
+
+def _conversations(cfg, split: str) -> list[tuple[str, object]]:
+  """(where, record) of each conversation of `split`: the plays' scenes cut into dialogue
+  (common/data/dialogue.py; a chat record is its messages, a preference record its pair), or
+  the records of the files."""
+  if cfg.kind == "shakespeare":
+    if cfg.eval_fraction:
+      raise UserError(
+        f"data.format={cfg.format!r} holds out whole plays: set data.eval_plays, not "
+        "data.eval_fraction."
+      )
+    plays = shakespeare_plays()
+    held_out = _plays(cfg.eval_plays, "eval_plays", plays)
+    train = _plays(cfg.train_plays, "train_plays", plays) or [p for p in plays if p not in held_out]
+    chosen = held_out if split == "eval" else train
+    budget = cfg.seq_len * 3 // 4  # characters of speech: the template's tags fill the rest
+    make = dialogue.conversations if cfg.format == "chat" else dialogue.preference_pairs
+    return [
+      (f"{play} conversation {i}", record)
+      for play, text in zip(chosen, read_shakespeare(chosen), strict=True)
+      for i, record in enumerate(make(play, text, budget=budget))
+    ]
+  if cfg.kind == "files":
+    pattern = cfg.train_files if split == "train" else cfg.eval_files
+    if split == "eval" and not pattern:
+      return []
+    field = cfg.messages_field if cfg.format == "chat" else "prompt"
+    return [
+      (f"{path} record {i + 1}", record if cfg.format == "preference" else record[field])
+      for path in sources.expand(pattern, key=f"data.{split}_files")
+      for i, record in enumerate(sources.records(path, text_field=field))
+    ]
+  raise UserError(
+    f"data.format={cfg.format!r} reads conversations from the plays (kind shakespeare) or "
+    f"from files (kind files), not from data.kind={cfg.kind!r}."
+  )
+
+
+def _reply(value, where: str, key: str) -> list[dict]:
+  """A preference record's `chosen` or `rejected`: a string, an assistant message, or a list
+  of messages (the reply's turns)."""
+  if isinstance(value, str):
+    value = [{"role": "assistant", "content": value}]
+  elif isinstance(value, dict):
+    value = [value]
+  return chat.check_messages(value, f"{where} ({key})")
+
+
+def conversation_split(cfg, split: str, tokenizer) -> Rows | None:
+  """The rows of chat or preference data (common/data/chat.py): a chat split's conversations
+  packed whole into rows with their loss weights; a preference split one pair a row, [N, 2,
+  seq_len + 1] (chosen, rejected), the loss weights on the final reply only."""
+  if cfg.format not in FORMATS:
+    raise UserError(f"Unknown data.format {cfg.format!r}: use one of {', '.join(FORMATS)}.")
+  records = _conversations(cfg, split)
+  if not records:
+    return None
+  template, row_len = chat.template(cfg), cfg.seq_len + 1
+  what = f"{split} data"
+  if cfg.format == "chat":
+    conversations = [(where, chat.check_messages(messages, where)) for where, messages in records]
+    encoded = chat.encode_all(template, tokenizer, conversations, max_len=row_len, what=what)
+    if cfg.loss_on not in ("assistant", "all"):
+      raise UserError(f"Unknown data.loss_on {cfg.loss_on!r}: use 'assistant' or 'all'.")
+    if cfg.loss_on == "all" and split == "train":
+      encoded.weights = [np.ones_like(w) for w in encoded.weights]
+    packed = chat.pack(encoded.ids, encoded.weights, row_len)
+  else:
+    sides = []
+    for where, record in records:
+      if not isinstance(record, dict) or not all(k in record for k in PREFERENCE_KEYS):
+        raise UserError(
+          f"{where}: a preference record needs {', '.join(PREFERENCE_KEYS)} (the prompt's "
+          "messages and the two replies)."
+        )
+      prompt = chat.check_messages(record["prompt"], f"{where} (prompt)")
+      chosen, rejected = (_reply(record[k], where, k) for k in ("chosen", "rejected"))
+      if chosen == rejected:
+        raise UserError(
+          f"{where}: the chosen and rejected replies are the same, so the pair prefers "
+          "nothing: drop it or fix the data."
+        )
+      sides += [(where, prompt + chosen), (where, prompt + rejected)]
+    ids, weights, dropped = [], [], 0
+    for i in range(0, len(sides), 2):  # both sides of a pair kept, or the pair dropped
+      pair = [chat.encode(template, tokenizer, m, where=w) for w, m in sides[i : i + 2]]
+      pair = [(t[:row_len], chat.final_turn(w)[:row_len]) for t, w in pair]
+      if not all(w.any() for _, w in pair):
+        dropped += 1
+        continue
+      for t, w in pair:
+        ids.append(t)
+        weights.append(w)
+    chat.check_weights(weights, what)
+    encoded = chat.Encoded(ids, weights, dropped)
+    n = len(ids) // 2
+    packed = {k: np.zeros((n, 2, row_len), np.float32 if k == "loss_weights" else np.int32)
+              for k in ("tokens", "segment_ids", "loss_weights")}  # fmt: skip
+    for j, (t, w) in enumerate(zip(ids, weights, strict=True)):
+      at = divmod(j, 2)
+      packed["tokens"][at][: len(t)], packed["segment_ids"][at][: len(t)] = t, 1
+      packed["loss_weights"][at][: len(t)] = w
+  if encoded.dropped:
+    files.warn(
+      f"{encoded.dropped} {cfg.format} records of the {split} data have no assistant token "
+      f"left in seq_len + 1 = {row_len} tokens and were dropped."
+    )
+  if len(packed["tokens"]) == 0:
+    raise UserError(f"The {split} data has no {cfg.format} record left: raise data.seq_len.")
+  return Rows(packed, f"{cfg.kind}:{cfg.format}:{split}:{cfg.seq_len}")
+
+
+PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
 
 
 def check_lengths(docs: list[str], docs_tokens: list[np.ndarray], cfg, split: str):

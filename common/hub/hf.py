@@ -37,6 +37,7 @@ TOKENIZER_FILES = (
   "tokenizer_config.json",
   "special_tokens_map.json",
   "added_tokens.json",
+  "chat_template.jinja",
   "vocab.json",
   "merges.txt",
   "vocab.txt",

@@ -131,6 +131,33 @@ def restore_params(cfg, workdir: str, layout=None) -> tuple[nnx.GraphDef, nnx.St
   return graphdef, state[key], int(state["step"])
 
 
+def with_init_from(loaded: nnx.State, fresh: nnx.State, shardings) -> nnx.State:
+  """`fresh` params (placed, in the model's layout) with what `init_params` read in their place:
+  what init_from does not give (adapters, init_reinit) stays fresh; placed as `shardings`."""
+  params = jax.tree.map(  # one tree per layer (init_params), stacked back if scanned
+    lambda got, new: new if isinstance(got, jax.ShapeDtypeStruct) else got,
+    loaded,
+    stacking.unstack_layers(fresh),
+  )
+  return jax.device_put(stacking.match_layers(params, fresh), shardings)
+
+
+def init_from_params(cfg, layout=None) -> tuple[nnx.GraphDef, nnx.State]:
+  """The model of `cfg` with the weights of its `init_from` (a run's starting point, and the dpo
+  task's reference model), placed on `layout`'s mesh as the train step places params."""
+  abstract = models.abstract(cfg.model)
+  graphdef, abstract_params = nnx.graphdef(abstract), nnx.state(abstract, nnx.Param)
+  if layout is None:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, abstract_params)
+  else:
+    shardings = layout.shardings(layout.param_specs(abstract_params))
+  fresh = jax.jit(
+    lambda: nnx.state(models.build(cfg.model, seed=cfg.seed), nnx.Param), out_shardings=shardings
+  )()
+  return graphdef, with_init_from(init_params(cfg, abstract_params), fresh, shardings)
+
+
 def init_params(cfg, params: nnx.State) -> nnx.State:
   """`params` (arrays, or abstract ShapeDtypeStructs) with the weights of `init_from` (a zoo
   run's workdir, a `zoo convert` output or a Hugging Face directory) in their place, one tree
@@ -214,9 +241,12 @@ def _write_atomically(out: str, write: Callable[[str], None]):
 
 
 def _tokenizer_config(out: str, files: list[str]) -> ml_collections.ConfigDict:
-  """The data.tokenizer config that loads the tokenizer files copied into `out`."""
+  """The data.tokenizer config that loads the tokenizer files copied into `out`: the directory
+  where a tokenizer_config.json or chat_template.jinja came along (its chat template and special
+  tokens, what `zoo chat` renders with), else the tokenizer's own file."""
   if "tokenizer.json" in files:
-    return tokenizers_lib.config("hf", os.path.join(out, "tokenizer.json"))
+    with_chat = {"tokenizer_config.json", "chat_template.jinja"} & set(files)
+    return tokenizers_lib.config("hf", out if with_chat else os.path.join(out, "tokenizer.json"))
   if "vocab.json" in files and "merges.txt" in files:
     return tokenizers_lib.config("gpt2", out)
   if "tokenizer.model" in files:
@@ -299,6 +329,10 @@ def export_hf(workdir: str, out: str) -> dict:
   ]
   tok = meta.get("data", {}).get("tokenizer", {})
   tok_json = tok.get("path", "") if tok.get("kind") == "hf" and not files else ""
+  if os.path.isdir(tok_json):  # a tokenizer directory: its files (template, special tokens)
+    files = [os.path.join(tok_json, f) for f in TOKENIZER_FILES]
+    files = [f for f in files if os.path.isfile(f)]
+    tok_json = ""
 
   def write(tmp):
     os.makedirs(tmp)
@@ -307,8 +341,8 @@ def export_hf(workdir: str, out: str) -> dict:
     save_file(tensors, os.path.join(tmp, weights_name), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(hf_config, f, indent=2, sort_keys=True)
-    for f in files:
-      shutil.copy(os.path.join(workdir, f), os.path.join(tmp, f))
+    for f in files:  # names in the workdir, or paths in a tokenizer directory
+      shutil.copy(os.path.join(workdir, f), os.path.join(tmp, os.path.basename(f)))
     if tok_json and os.path.isfile(tok_json):
       shutil.copy(tok_json, os.path.join(tmp, "tokenizer.json"))
 

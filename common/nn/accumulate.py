@@ -12,50 +12,79 @@ running sum at that layer, in place. The cotangent it returns for those paramete
 running sum plus this slice's gradients, and `accumulating` yields which leaves that holds for,
 so the step does not add them again. The other parameters' gradients are this slice's alone.
 
-The running sums are found by the identity of the traced parameter arrays (the leaves jax.grad
-traces are the very objects the scan reads), kept in the step context's `accumulation` field.
+The keys. A running sum is found by its parameter's path in the model's state (the keys of
+`jax.tree_util.tree_flatten_with_path` over an `nnx.State`, e.g. ("encoder", "stacked", 0,
+"attn", "q", "kernel", "value")): `accumulating` takes the parameters and their sums as trees of
+the same paths, and a scan names where its stack sits in the model (`BlockStack.path`: () for
+the model itself, ("encoder",) for an encoder-decoder's side, ("text",) for CLIP's text tower),
+so that leaf `p` of its slot j is at path + ("stacked", j) + p. A scan some of whose leaves are at
+no such path (neither trained nor frozen) runs the plain scan: the same gradients, without the
+saving. The table lives in the step context's `accumulation` field while the slice runs.
 """
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from nnx_zoo.common import parallel, step_context
+from nnx_zoo.common.nn import stacking
+
+Path = tuple  # of str and int: a leaf's place in a model's state
+
+
+def paths(tree) -> list[Path]:
+  """The path of each leaf of `tree`, in the order of jax.tree.leaves(tree)."""
+  return [
+    tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+  ]
+
+
+@dataclasses.dataclass
+class _Accumulation:
+  sums: dict  # a trained parameter's path -> its running sum
+  frozen: set  # the paths of the parameters not differentiated
+  consumed: set  # the paths whose sums a scan has added into
 
 
 @contextlib.contextmanager
 def accumulating(params, sums, frozen=None):
-  """Within: scanned layers add the gradients of their parameters (leaves of `params`, traced by
-  jax.grad) into `sums` (the running sums, the same tree) in their backward loop. Yields the
-  set of indices (in jax.tree.leaves(params)) of the leaves that were: their cotangents include
-  `sums`; the others' do not. `frozen`: the parameters the model also uses, not
-  differentiated."""
-  leaves = jax.tree.leaves(params)
-  table = {id(p): a for p, a in zip(leaves, jax.tree.leaves(sums), strict=True)}
-  frozen_ids = {id(f) for f in jax.tree.leaves(frozen)} if frozen is not None else set()
-  consumed: set[int] = set()
+  """Within: scanned layers add the gradients of their parameters (`params`, the model's state
+  that jax.grad differentiates) into `sums` (the running sums, a tree of the same paths) in
+  their backward loop. Yields the set of indices (in jax.tree.leaves(params)) of the leaves that
+  were: their cotangents include `sums`; the others' do not. `frozen`: the parameters the model
+  also uses, not differentiated (the same model's state, its other leaves)."""
+  keys = paths(params)
+  if paths(sums) != keys:
+    raise ValueError("The running sums are not a tree of the parameters' paths.")
+  table = _Accumulation(
+    dict(zip(keys, jax.tree.leaves(sums), strict=True)),
+    set(paths(frozen)) if frozen is not None else set(),
+    set(),
+  )
   fused: set[int] = set()
   try:
-    with step_context.entered(accumulation=(table, frozen_ids, consumed)):
+    with step_context.entered(accumulation=table):
       yield fused
   finally:
-    fused.update(i for i, p in enumerate(leaves) if id(p) in consumed)
+    fused.update(i for i, key in enumerate(keys) if key in table.consumed)
 
 
-def sums_of(states):
-  """The running sum of each stacked leaf of `states` (None: a frozen one), when every one is
+def sums_of(path: Path, states) -> list | None:
+  """The running sum of each leaf of `states` (the stacked slots of the stack at `path` in the
+  model, slot j's leaves at path + ("stacked", j)), None for a frozen one, when every leaf is
   either a parameter being accumulated or a frozen one; None otherwise (the plain scan)."""
   active = step_context.current().accumulation
   if active is None:
     return None
-  table, frozen_ids, consumed = active
-  leaves = jax.tree.leaves(states)
-  if not all(id(v) in table or id(v) in frozen_ids for v in leaves):
+  keys = [(*path, stacking.STACKED, j, *leaf) for j, s in enumerate(states) for leaf in paths(s)]
+  if not all(k in active.sums or k in active.frozen for k in keys):
     return None
-  consumed.update(id(v) for v in leaves if id(v) in table)
-  return [table.get(id(v)) for v in leaves]
+  active.consumed.update(k for k in keys if k in active.sums)
+  return [active.sums.get(k) for k in keys]
 
 
 def scan(body, x, states, sums):

@@ -105,9 +105,8 @@ class SourceKV:
 
 
 def logit_scale(cfg) -> float:
-  """The factor of q.k: `cfg.scale`, or head_dim ** -0.5 when it is 0 (absent in configs saved
-  before it existed)."""
-  return cfg.get("scale", 0.0) or cfg.head_dim**-0.5
+  """The factor of q.k: `cfg.scale`, or head_dim ** -0.5 when it is 0."""
+  return cfg.scale or cfg.head_dim**-0.5
 
 
 class Attention(nnx.Module):
@@ -126,7 +125,7 @@ class Attention(nnx.Module):
       raise UserError(f"Unknown attention mask {cfg.mask!r}: use one of {MASKS}.")
     if cfg.impl not in IMPLS:  # "auto" is resolved when traced: the platform may differ
       raise UserError(f"Unknown attention impl {cfg.impl!r}: use one of {IMPLS}.")
-    self.context_impl = cfg.get("context_impl", "gather")  # absent in configs saved before it
+    self.context_impl = cfg.context_impl
     if self.context_impl not in CONTEXT_IMPLS:
       raise UserError(
         f"Unknown attention context_impl {self.context_impl!r}: use one of {CONTEXT_IMPLS}."
@@ -144,7 +143,7 @@ class Attention(nnx.Module):
     self.dtype = dtype
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.q = Linear(dim, N * H, use_bias=cfg.qkv_bias, axes=("D", "NH"), **kw)
-    key_bias = cfg.qkv_bias and cfg.get("key_bias", True)  # absent in configs saved before it
+    key_bias = cfg.qkv_bias and cfg.key_bias
     self.k = Linear(dim, K * H, use_bias=key_bias, axes=("D", "KH"), **kw)
     self.v = Linear(dim, K * H, use_bias=cfg.qkv_bias, axes=("D", "KH"), **kw)
     self.o = Linear(

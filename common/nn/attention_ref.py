@@ -32,8 +32,9 @@ def make_mask(
   return mask
 
 
-def soft_cap(x: jax.Array, cap: float) -> jax.Array:
-  """cap * tanh(x / cap): logits squashed into (-cap, cap) (Gemma 2); cap 0 is no cap."""
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+  """cap * tanh(x / cap): logits squashed into (-cap, cap) (Gemma 2); cap None (or a config's
+  0) is no cap."""
   return cap * jnp.tanh(x / cap) if cap else x
 
 

@@ -20,11 +20,11 @@ def describe_auto(
   for i in range(model_cfg.num_layers):
     layer = stack.layer_config(model_cfg, i)
     att = layer.attention
-    if att.get("impl", "xla") != "auto":
+    if att.impl != "auto":
       continue
     impl, why = attention_impl.resolve_auto(
       platform=platform,
-      dtype=model_cfg.get("dtype", "float32"),
+      dtype=model_cfg.dtype,
       head_dim=att.head_dim,
       seq_len=seq_len,
       bias=layer.position.kind in ("alibi", "relative"),

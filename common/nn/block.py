@@ -23,15 +23,13 @@ from nnx_zoo.common.nn.linear import Linear, dtypes
 NORM_PLACEMENTS = ("pre", "post", "both")
 
 
-def check_modulation(cfg) -> str:
-  modulation = cfg.get("modulation", "none")
+def check_modulation(cfg, *, cross_attention: bool = False) -> str:
+  modulation = cfg.modulation
   if modulation not in conditioning.MODULATIONS:
     raise UserError(
       f"Unknown model.modulation {modulation!r}: use one of {conditioning.MODULATIONS}."
     )
-  if modulation != "none" and (
-    cfg.get("norm_placement", "pre") != "pre" or cfg.get("cross_attention", False)
-  ):
+  if modulation != "none" and (cfg.norm_placement != "pre" or cross_attention):
     raise UserError(
       f"model.modulation={modulation!r} modulates pre-norm blocks without cross-attention: set "
       "model.norm_placement='pre'."
@@ -40,7 +38,7 @@ def check_modulation(cfg) -> str:
 
 
 def check_placement(cfg):
-  if cfg.get("norm_placement", "pre") not in NORM_PLACEMENTS:
+  if cfg.norm_placement not in NORM_PLACEMENTS:
     raise UserError(
       f"Unknown model.norm_placement {cfg.norm_placement!r}: use one of {NORM_PLACEMENTS}."
     )
@@ -61,33 +59,34 @@ class CrossCache:
 
 
 class Block(nnx.Module):
-  """One layer: attention, (cross-attention, if `cross_attention`,) then the MLP, each a
-  residual sub-layer with norms placed by `norm_placement` (common/nn/transformer.py)."""
+  """One layer: attention, (cross-attention, if `cross_attention`: an encoder-decoder's decoder
+  side,) then the MLP, each a residual sub-layer with norms placed by `norm_placement`
+  (common/nn/transformer.py)."""
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs):
+  def __init__(self, cfg, *, cross_attention: bool = False, rngs: nnx.Rngs):
     dt = dtypes(cfg)
     D = cfg.dim
     # The projections into the residual stream start smaller in deep models (GPT-2's 1/sqrt(2L)).
     out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-    self.placement = cfg.get("norm_placement", "pre")
+    self.placement = cfg.norm_placement
     # Stochastic depth: each residual branch dropped per row in training (common/nn/noise.py).
-    self.drop_path = cfg.get("drop_path", 0.0)
+    self.drop_path = cfg.drop_path
     both = self.placement == "both"
     self.attn_norm = norms.make(cfg.norm, D, **dt)
     self.attn = attention.Attention(
       cfg.attention, D, norm=cfg.norm, out_init_std=out_std, rngs=rngs, **dt
     )
     self.attn_out_norm = norms.make(cfg.norm, D, **dt) if both else None
-    self.mlp_norm = norms.make(cfg.get("mlp_norm") or cfg.norm, D, **dt)
+    self.mlp_norm = norms.make(cfg.mlp_norm or cfg.norm, D, **dt)
     self.mlp = mlp.make(cfg.mlp, D, out_init_std=out_std, rngs=rngs, **dt)
     # adaLN-Zero: shift, scale and gate of the attention, then of the MLP.
     self.modulation = (
       conditioning.Modulation(D, 6, rngs=rngs, **dt)
-      if check_modulation(cfg) == "adaln_zero"
+      if check_modulation(cfg, cross_attention=cross_attention) == "adaln_zero"
       else None
     )
     self.mlp_out_norm = norms.make(cfg.norm, D, **dt) if both else None
-    cross = cfg.get("cross_attention", False)
+    cross = cross_attention
     # Every source token is visible to every target token: no causal mask, no window.
     cross_cfg = ml_collections.ConfigDict({**cfg.attention.to_dict(), "mask": "bidirectional"})
     cross_cfg.window = 0

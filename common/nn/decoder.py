@@ -4,7 +4,13 @@ from flax import nnx
 
 from nnx_zoo.common.nn import attention, head, norms, position
 from nnx_zoo.common.nn.linear import Embedding, dtypes
-from nnx_zoo.common.nn.stack import BlockStack
+from nnx_zoo.common.nn.stack import BlockStack, StackKeys
+
+
+def decoder_keys(*, tie_embeddings: bool = False, final_softcap: float = 0.0) -> StackKeys:
+  """A `Decoder`'s keys: `tie_embeddings` (the output head is the token table) and
+  `final_softcap` (cap * tanh(logits / cap) on the logits; 0: none)."""
+  return StackKeys.declared(locals())
 
 
 class Decoder(BlockStack):
@@ -19,7 +25,7 @@ class Decoder(BlockStack):
     self._make_blocks(cfg, rngs)
     self.norm = norms.make(cfg.norm, cfg.dim, **dt)
     self.lm_head = head.make_lm_head(cfg, rngs, dt)
-    self.final_softcap = cfg.get("final_softcap", 0.0)
+    self.final_softcap = cfg.final_softcap or None  # the config's 0: no cap
 
   def __call__(self, tokens_BT, *, positions_BT=None, segment_ids_BT=None, cache=None):
     """Logits [B, T, V]; with a KV cache (see `init_cache`), (logits, updated cache)."""

@@ -7,35 +7,40 @@ images [B, S, S, C] -> patches (PatchEmbed) + positions (fixed 2-D sin-cos: `sin
        -> norm -> modulate(shift, scale from c) -> Linear(D, p * p * out_channels)
        -> unpatchify -> [B, S, S, out_channels]
 
-Keys beyond the shared ones of `transformer.config`: those of `image_inputs` (image_size, patch,
-channels, out_channels, patch_bias) and `conditioning` (a `conditioning.config`). With
+Keys beyond the shared ones of `transformer.config`: those of `denoiser_keys` (image_size,
+patch, channels, out_channels, patch_bias, conditioning). With
 out_channels = 2 * channels (DiT's learned sigma) the first `channels` are the prediction a
 sampler reads (`prediction`), the rest the variance, as diffusers' DiT pipeline splits them.
 """
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import conditioning, norms
 from nnx_zoo.common.nn.linear import Linear, dtypes
 from nnx_zoo.common.nn.patch import PatchEmbed, unpatchify
-from nnx_zoo.common.nn.stack import BlockStack
+from nnx_zoo.common.nn.stack import BlockStack, StackKeys
 
 
-def image_inputs(
-  *, image_size: int, patch: int, channels: int, out_channels: int = 0, patch_bias: bool = True
-) -> dict:
-  """The `Denoiser` keys of its images, to pass to `transformer.config(...)`; out_channels 0:
-  as many as `channels`."""
-  return {
-    "image_size": image_size,
-    "patch": patch,
-    "channels": channels,
-    "out_channels": out_channels or channels,
-    "patch_bias": patch_bias,
-  }
+def denoiser_keys(
+  *,
+  image_size: int,
+  patch: int,
+  channels: int,
+  conditioning: ml_collections.ConfigDict,
+  out_channels: int | None = None,
+  patch_bias: bool = True,
+) -> StackKeys:
+  """A `Denoiser`'s keys, to pass to `transformer.config(stack=...)`: its images [B, image_size,
+  image_size, channels] cut into patch x patch patches (with a bias if `patch_bias`), its
+  `conditioning` (a `conditioning.config`) and its output's channels (None: as many as
+  `channels`)."""
+  if out_channels is None:
+    out_channels = channels
+  return StackKeys.declared(locals())
 
 
 class Denoiser(BlockStack):
@@ -47,7 +52,7 @@ class Denoiser(BlockStack):
     S, p, D = cfg.image_size, cfg.patch, cfg.dim
     if S % p:
       raise UserError(f"model.patch={p} does not divide model.image_size={S}.")
-    if cfg.get("modulation", "none") == "none":
+    if cfg.modulation == "none":
       raise UserError("A Denoiser's blocks read the conditioning: set model.modulation.")
     self.image_size, self.channels, self.out_channels = S, cfg.channels, cfg.out_channels
     self.patch = p

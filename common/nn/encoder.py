@@ -1,5 +1,6 @@
-"""The encoder stack: tokens, images as patches or feature frames in, hidden states out, with
-its pooler and classifier head (BERT, ViT, CLIP's towers)."""
+"""The encoder stack: tokens or images as patches in, hidden states out, with its pooler and
+classifier head (BERT, ViT, CLIP's towers). Feature frames are an encoder-decoder's input
+(common/nn/encoder_decoder.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,10 +9,10 @@ from flax import nnx
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import norms, position
 from nnx_zoo.common.nn.linear import Embedding, Linear, dtypes, normal
-from nnx_zoo.common.nn.patch import ConvStem, PatchEmbed
-from nnx_zoo.common.nn.stack import BlockStack
+from nnx_zoo.common.nn.patch import PatchEmbed
+from nnx_zoo.common.nn.stack import BlockStack, StackKeys
 
-INPUTS = ("tokens", "patches", "frames")
+INPUTS = ("tokens", "patches")
 
 # What `Encoder.pool` reads: the first token ([CLS], a class token), the largest id of each row
 # (CLIP's end-of-text token, as HF's CLIP with eos_token_id 2), the first `end_token`, or the
@@ -19,28 +20,51 @@ INPUTS = ("tokens", "patches", "frames")
 POOL_AT = ("first", "argmax", "end_token", "mean")
 
 
-def make_stem(cfg, rngs, dt) -> ConvStem:
-  """The `ConvStem` of a config with `frame_inputs`' keys."""
-  return ConvStem(
-    cfg.dim,
-    channels=cfg.channels,
-    width=cfg.stem_width,
-    strides=tuple(cfg.stem_strides),
-    activation=cfg.stem_activation,
-    init_std=cfg.init_std,
-    rngs=rngs,
-    **dt,
-  )
+def encoder_keys(
+  *,
+  images: dict | None = None,
+  type_vocab_size: int = 0,
+  embed_norm: bool = False,
+  final_norm: bool = True,
+  pooler: bool = False,
+  num_labels: int = 0,
+  pool_at: str = "",
+  end_token: int | None = None,
+) -> StackKeys:
+  """An `Encoder`'s keys: its inputs, tokens or (`images`, `patch_inputs`' keys) images;
+  `type_vocab_size` (BERT's token types; 0: none), a norm after the embeddings (`embed_norm`)
+  and after the blocks (`final_norm`), BERT's tanh `pooler`, a classifier head of `num_labels`
+  classes (0: none), and `pool_at`, the token a classifier or projection reads (encoder.POOL_AT;
+  "": the pooler's, the first), `end_token` the id it reads at with pool_at="end_token"."""
+  return StackKeys.declared(locals(), inputs="images")
 
 
-def stem_segment_ids(stem: ConvStem, segment_ids_BT: jax.Array) -> jax.Array:
-  """The segment ids of a stem's outputs: those of the frame at the centre of each window
-  (output t of a stride-s convolution is centred on its input t * s)."""
-  if stem.width % 2 == 0:
-    raise UserError(f"Segment ids through a stem of even width {stem.width} are ambiguous.")
-  for s in stem.strides:
-    segment_ids_BT = segment_ids_BT[:, ::s]
-  return segment_ids_BT
+def patch_inputs(
+  *,
+  image_size: int,
+  patch: int,
+  channels: int = 3,
+  patch_bias: bool = True,
+  class_token: bool = True,
+  pixel_mean: tuple[float, ...] = (0.5, 0.5, 0.5),
+  pixel_std: tuple[float, ...] = (0.5, 0.5, 0.5),
+) -> dict:
+  """The `Encoder` keys of image inputs, to pass to `encoder_keys(images=...)`: images
+  [B, image_size, image_size, channels] in [0, 1], normalised as (x - pixel_mean) / pixel_std
+  per channel (what a Hugging Face image processor does after scaling to [0, 1]), cut into
+  patch x patch patches embedded by `PatchEmbed` (with a bias if `patch_bias`), after a learned
+  class token if `class_token`. The learned positions need
+  max_len = (image_size / patch)^2 + class_token."""
+  return {
+    "inputs": "patches",
+    "image_size": image_size,
+    "patch": patch,
+    "channels": channels,
+    "patch_bias": patch_bias,
+    "class_token": class_token,
+    "pixel_mean": tuple(pixel_mean),
+    "pixel_std": tuple(pixel_std),
+  }
 
 
 def num_patches(cfg) -> int:
@@ -75,43 +99,41 @@ class Encoder(BlockStack):
   final_norm) -> hidden states [B, T, D]; `pool` and `classify` for the pooled token (BERT's
   tanh pooler on it if `pooler`) and a classification head (BERT, ViT)."""
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs):
+  def __init__(self, cfg, *, path: tuple = (), rngs: nnx.Rngs):
+    """`path`: the encoder's attribute in the model that holds it (CLIP's towers), () if it is
+    the model."""
     dt = dtypes(cfg)
-    self.inputs = cfg.get("inputs", "tokens")  # absent in configs saved before images
+    self.inputs = cfg.inputs
     if self.inputs not in INPUTS:
       raise UserError(f"Unknown model.inputs {self.inputs!r}: use one of {INPUTS}.")
-    self.stem = make_stem(cfg, rngs, dt) if self.inputs == "frames" else None
     if self.inputs == "tokens":
       self.embed = Embedding(cfg.vocab_size, cfg.dim, init_std=cfg.init_std, rngs=rngs, **dt)
       self.patch_embed = self.class_token = None
     else:
       self.embed = None
-      if self.inputs == "patches":
-        self._make_patches(cfg, rngs, dt)
-      else:
-        self.patch_embed = self.class_token = None
+      self._make_patches(cfg, rngs, dt)
     self.token_type = (
       Embedding(cfg.type_vocab_size, cfg.dim, init_std=cfg.init_std, rngs=rngs, **dt)
-      if cfg.get("type_vocab_size", 0)
+      if cfg.type_vocab_size
       else None
     )
     self._make_positions(cfg, rngs, dt)
-    self.embed_norm = norms.make(cfg.norm, cfg.dim, **dt) if cfg.get("embed_norm", False) else None
-    self._make_blocks(cfg, rngs)
-    self.norm = norms.make(cfg.norm, cfg.dim, **dt) if cfg.get("final_norm", True) else None
+    self.embed_norm = norms.make(cfg.norm, cfg.dim, **dt) if cfg.embed_norm else None
+    self._make_blocks(cfg, rngs, path=path)
+    self.norm = norms.make(cfg.norm, cfg.dim, **dt) if cfg.final_norm else None
     self.pooler = (
       Linear(
         cfg.dim, cfg.dim, use_bias=True, axes=("D", None), init_std=cfg.init_std, rngs=rngs, **dt
       )
-      if cfg.get("pooler", False)
+      if cfg.pooler
       else None
     )
     # "": BERT's, which pools only through its pooler (HF's BertModel has no other pooled output).
-    self.pool_at = cfg.get("pool_at", "")
+    self.pool_at = cfg.pool_at
     if self.pool_at and self.pool_at not in POOL_AT:
       raise UserError(f"Unknown model.pool_at {self.pool_at!r}: use one of {POOL_AT}.")
-    self.end_token = cfg.end_token if self.pool_at == "end_token" else -1
-    num_labels = cfg.get("num_labels", 0)  # absent in configs saved before it existed
+    self.end_token = cfg.end_token if self.pool_at == "end_token" else None
+    num_labels = cfg.num_labels
     if num_labels and self.pooler is None and not self.pool_at:
       raise UserError("model.num_labels > 0 needs model.pooler=True: the head reads the pooler.")
     self.head = (
@@ -152,8 +174,7 @@ class Encoder(BlockStack):
     positions_BT=None,
     segment_ids_BT=None,
   ):
-    """Final hidden states [B, T, D] of tokens [B, T], images [B, H, W, C] or frames
-    [B, T_frames, C] (segment ids, if given, are the frames').
+    """Final hidden states [B, T, D] of tokens [B, T] or images [B, H, W, C].
 
     `attention_mask` [B, T] (1 = token, 0 = padding), as Hugging Face's: no token attends to
     padding. It is folded into the segment ids, so padding positions attend only to each
@@ -161,18 +182,7 @@ class Encoder(BlockStack):
     the row, padding included, as HF's absolute position ids; `segment_ids_BT` (packed rows)
     restarts them per segment.
     """
-    if self.inputs == "frames":
-      if attention_mask is not None or token_type_ids is not None:
-        raise UserError("A frame encoder takes no attention_mask or token_type_ids.")
-      x_BTD = self.stem(inputs)
-      B, T, _ = x_BTD.shape
-      positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
-      segment_ids_BT = (
-        jnp.ones((B, T), jnp.int32)
-        if segment_ids_BT is None
-        else stem_segment_ids(self.stem, segment_ids_BT)
-      )
-    elif self.inputs == "patches":
+    if self.inputs == "patches":
       if attention_mask is not None or token_type_ids is not None:
         raise UserError("An image encoder takes no attention_mask or token_type_ids.")
       x_BTD = self._embed_images(inputs)

@@ -9,35 +9,107 @@ from flax import nnx
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import head, norms, position
 from nnx_zoo.common.nn.block import CrossCache
-from nnx_zoo.common.nn.encoder import make_stem, stem_segment_ids
 from nnx_zoo.common.nn.linear import Embedding, dtypes
-from nnx_zoo.common.nn.patch import stem_length
-from nnx_zoo.common.nn.stack import BlockStack
+from nnx_zoo.common.nn.patch import ConvStem, stem_length
+from nnx_zoo.common.nn.stack import BlockStack, StackKeys
 
 OUTPUT_SCALES = ("none", "rsqrt_dim")
+INPUTS = ("tokens", "frames")
+
+
+def encoder_decoder_keys(
+  *,
+  num_decoder_layers: int,
+  decoder_position: ml_collections.ConfigDict,
+  decoder_start_id: int,
+  frames: dict | None = None,
+  shared_embeddings: bool = True,
+  tie_embeddings: bool = True,
+  output_scale: str = "none",
+  final_softcap: float = 0.0,
+) -> StackKeys:
+  """An `EncoderDecoder`'s keys: the decoder's `num_decoder_layers` and `decoder_position`
+  (the encoder's are the shared num_layers and position), `decoder_start_id` (the decoder's
+  first input: targets are shifted right after it); the encoder's inputs, tokens or (`frames`,
+  `frame_inputs`' keys) feature frames; `shared_embeddings` (one token table for both sides),
+  `tie_embeddings` (the output head is the decoder's table), `output_scale` ("none", or
+  "rsqrt_dim": the decoder's output times D ** -0.5 before the head, transformers' T5
+  `scale_decoder_outputs`) and `final_softcap` (as the Decoder's)."""
+  return StackKeys.declared(locals(), inputs="frames")
+
+
+def frame_inputs(
+  *,
+  channels: int,
+  width: int = 3,
+  strides: tuple[int, ...] = (1, 2),
+  activation: str = "gelu_exact",
+) -> dict:
+  """The keys of an encoder whose inputs are feature frames [B, T, channels] (log-mel
+  spectrograms: Whisper's 80 or 128 bins), to pass to `encoder_decoder_keys(frames=...)`: a
+  `ConvStem` of one 1-D convolution of `width` taps per entry of `strides`, each followed by
+  `activation` (an MLP activation's name), makes the encoder's T' = ~T / prod(strides)
+  inputs."""
+  return {
+    "inputs": "frames",
+    "channels": channels,
+    "stem_width": width,
+    "stem_strides": tuple(strides),
+    "stem_activation": activation,
+  }
+
+
+def num_frames_out(cfg, frames: int) -> int:
+  """The encoder's sequence length for `frames` input frames (a config with `frame_inputs`)."""
+  return stem_length(frames, width=cfg["stem_width"], strides=cfg["stem_strides"])
+
+
+def make_stem(cfg, rngs, dt) -> ConvStem:
+  """The `ConvStem` of a config with `frame_inputs`' keys."""
+  return ConvStem(
+    cfg.dim,
+    channels=cfg.channels,
+    width=cfg.stem_width,
+    strides=tuple(cfg.stem_strides),
+    activation=cfg.stem_activation,
+    init_std=cfg.init_std,
+    rngs=rngs,
+    **dt,
+  )
+
+
+def stem_segment_ids(stem: ConvStem, segment_ids_BT: jax.Array) -> jax.Array:
+  """The segment ids of a stem's outputs: those of the frame at the centre of each window
+  (output t of a stride-s convolution is centred on its input t * s)."""
+  if stem.width % 2 == 0:
+    raise UserError(f"Segment ids through a stem of even width {stem.width} are ambiguous.")
+  for s in stem.strides:
+    segment_ids_BT = segment_ids_BT[:, ::s]
+  return segment_ids_BT
 
 
 def encoder_decoder_sides(cfg) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
   """The configs of an `EncoderDecoder`'s two stacks. The encoder's is `cfg` (its attention
   mask, `position`, `num_layers`); the decoder's has `num_decoder_layers`, `decoder_position`,
-  causal self-attention (it generates one token after another) and cross-attention."""
+  causal self-attention (it generates one token after another); its blocks cross-attend
+  (`Stack(..., cross_attention=True)`)."""
   encoder = ml_collections.ConfigDict(cfg.to_dict())
   decoder = ml_collections.ConfigDict(cfg.to_dict())
   decoder.num_layers = cfg.num_decoder_layers
   decoder.position = ml_collections.ConfigDict(cfg.decoder_position.to_dict())
   decoder.attention.mask = "causal"
-  decoder.cross_attention = True
   return encoder, decoder
 
 
 class Stack(BlockStack):
   """One side of an `EncoderDecoder`: positions, blocks and the final norm (the embeddings are
-  the model's, which the two sides may share)."""
+  the model's, which the two sides may share); the decoder's blocks cross-attend to the source
+  (`cross_attention`)."""
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs):
+  def __init__(self, cfg, *, path: tuple, cross_attention: bool = False, rngs: nnx.Rngs):
     dt = dtypes(cfg)
     self._make_positions(cfg, rngs, dt)
-    self._make_blocks(cfg, rngs)
+    self._make_blocks(cfg, rngs, path=path, cross_attention=cross_attention)
     self.norm = norms.make(cfg.norm, cfg.dim, **dt)
 
   def __call__(self, x_BTD, *, positions_BT, segment_ids_BT, cache=None, **source):
@@ -56,13 +128,9 @@ class EncoderDecoder(nnx.Module):
   self-attention, cross-attention to the source, MLP) -> norm (x D ** -0.5 if output_scale) ->
   output head (the decoder's embedding, tied, or lm_head) -> logits [B, T, V].
 
-  Its keys beyond the shared ones (`config(..., **extra)`): `num_decoder_layers`,
-  `decoder_position` (T5: relative, not bidirectional), `shared_embeddings`, `tie_embeddings`,
-  `output_scale` ("none", or "rsqrt_dim": the decoder's output times D ** -0.5 before the head,
-  transformers' T5 `scale_decoder_outputs`), `decoder_start_id` (the decoder's first input:
-  targets are shifted right after it), `final_softcap` if given, and `frame_inputs`' keys for
-  an encoder of feature frames (Whisper: a conv stem, no token table on that side; the
-  model's `embed` is then the decoder's). `attention` is the
+  Its keys beyond the shared ones are `encoder_decoder_keys`' (T5's decoder_position is
+  relative, not bidirectional; an encoder of feature frames, Whisper's, has a conv stem and no
+  token table on that side: the model's `embed` is then the decoder's). `attention` is the
   encoder's self-attention (its mask as configured); the decoder's is causal, and its
   cross-attention sees the whole source.
   """
@@ -74,9 +142,9 @@ class EncoderDecoder(nnx.Module):
         f"Unknown model.output_scale {cfg.output_scale!r}: use one of {OUTPUT_SCALES}."
       )
     encoder_cfg, decoder_cfg = encoder_decoder_sides(cfg)
-    self.inputs = cfg.get("inputs", "tokens")
-    if self.inputs not in ("tokens", "frames"):
-      raise UserError(f"Unknown model.inputs {self.inputs!r}: use 'tokens' or 'frames'.")
+    self.inputs = cfg.inputs
+    if self.inputs not in INPUTS:
+      raise UserError(f"Unknown model.inputs {self.inputs!r}: use one of {INPUTS}.")
     if self.inputs == "frames" and not cfg.shared_embeddings:
       raise UserError("An encoder of frames has no token table: set shared_embeddings=True.")
     self.stem = make_stem(cfg, rngs, dt) if self.inputs == "frames" else None
@@ -87,11 +155,11 @@ class EncoderDecoder(nnx.Module):
       else Embedding(cfg.vocab_size, cfg.dim, init_std=cfg.init_std, rngs=rngs, **dt)
     )
     self.embed_scale = head.embed_scale(cfg)
-    self.encoder = Stack(encoder_cfg, rngs=rngs)
-    self.decoder = Stack(decoder_cfg, rngs=rngs)
+    self.encoder = Stack(encoder_cfg, path=("encoder",), rngs=rngs)
+    self.decoder = Stack(decoder_cfg, path=("decoder",), cross_attention=True, rngs=rngs)
     self.lm_head = head.make_lm_head(cfg, rngs, dt)
-    self.output_scale = cfg.dim**-0.5 if cfg.output_scale == "rsqrt_dim" else 0.0
-    self.final_softcap = cfg.get("final_softcap", 0.0)
+    self.output_scale = cfg.dim**-0.5 if cfg.output_scale == "rsqrt_dim" else None
+    self.final_softcap = cfg.final_softcap or None  # the config's 0: no cap
     self.decoder_start_id = cfg.decoder_start_id
 
   def __call__(

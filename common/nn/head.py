@@ -10,15 +10,15 @@ from nnx_zoo.common.nn import attention_ref
 from nnx_zoo.common.nn.linear import Embedding, Linear
 
 
-def embed_scale(cfg) -> float:
-  """What token embeddings are multiplied by: sqrt(D) with `embed_scale` (Gemma), else 0 (none)."""
-  return math.sqrt(cfg.dim) if cfg.get("embed_scale", False) else 0.0
+def embed_scale(cfg) -> float | None:
+  """What token embeddings are multiplied by: sqrt(D) with `embed_scale` (Gemma), else None."""
+  return math.sqrt(cfg.dim) if cfg.embed_scale else None
 
 
-def embed(table: Embedding, tokens_BT, scale: float):
-  """The tokens' embeddings [B, T, D], times `scale` if it is not 0."""
+def embed(table: Embedding, tokens_BT, scale: float | None):
+  """The tokens' embeddings [B, T, D], times `scale` unless it is None."""
   x_BTD = table(tokens_BT)
-  if scale:
+  if scale is not None:
     x_BTD = x_BTD * jnp.asarray(scale, x_BTD.dtype)
   return x_BTD
 
@@ -30,9 +30,12 @@ def make_lm_head(cfg, rngs, dt) -> Linear | None:
   return Linear(cfg.dim, cfg.vocab_size, axes=("D", "V"), init_std=cfg.init_std, rngs=rngs, **dt)
 
 
-def output_head(table: Embedding, lm_head: Linear | None, *, cap: float, scale: float = 0.0):
+def output_head(
+  table: Embedding, lm_head: Linear | None, *, cap: float | None, scale: float | None = None
+):
   """The module holding the output projection (`lm_head`, or the tied `table`) and
-  `project(module, x) -> logits`: x times `scale` (if not 0), projected, soft-capped at `cap`.
+  `project(module, x) -> logits`: x times `scale`, projected, soft-capped at `cap` (each None:
+  none).
   The one definition of the logits, used whole and chunk by chunk (train.loss_chunk)."""
   if lm_head is None:
     head, call = table, Embedding.attend
@@ -40,7 +43,7 @@ def output_head(table: Embedding, lm_head: Linear | None, *, cap: float, scale: 
     head, call = lm_head, Linear.__call__
 
   def project(module, x_D):
-    if scale:
+    if scale is not None:
       x_D = x_D * jnp.asarray(scale, x_D.dtype)
     return attention_ref.soft_cap(call(module, x_D), cap)
 

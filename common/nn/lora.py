@@ -151,8 +151,8 @@ def apply(model: nnx.Module, cfg, *, seed: int = 0) -> nnx.Module:
 def trainable(cfg):
   """The nnx filter of the parameters a run trains: all of them, or with LoRA the adapters and
   what `model.lora.train` names."""
-  lora = cfg.get("lora")
-  if lora is None or not lora.rank:
+  lora = cfg.lora
+  if not lora.rank:
     return nnx.Param
   also = patterns(lora.train)
 

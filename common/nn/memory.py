@@ -39,6 +39,7 @@ def run_blocks(
   period: int = 1,
   per_slot: list[dict] | None = None,
   stacked=None,
+  path: tuple = (),
   **kwargs,
 ):
   """x through each block in turn: `block(x, cache=..., **kwargs) -> (x, cache)`; returns x and
@@ -58,7 +59,8 @@ def run_blocks(
   bench/fsdp_gathers.py). The parameters are stored stacked, so no call copies them into a stack
   (before, a call stacked the per-layer states: one stacked copy of the local parameter shards,
   their casts and their stacked gradients per step: bench/scan_growth.py). Decoding runs layer by
-  layer on slices of the stacks (`stacking.layer`).
+  layer on slices of the stacks (`stacking.layer`). `path`: where the stack sits in its model's
+  state, which names its parameters' running gradient sums (common/nn/accumulate.py).
 
   Auxiliary losses the blocks add (common/nn/aux.py) leave a scan or remat body as its outputs.
   """
@@ -90,7 +92,13 @@ def run_blocks(
       return x, None
     if cache is None:
       x = _scan_blocks(
-        stacked, x, remat=remat, layer_kwargs=layer_kwargs, stream=stream, num_layers=num_layers
+        stacked,
+        x,
+        path=path,
+        remat=remat,
+        layer_kwargs=layer_kwargs,
+        stream=stream,
+        num_layers=num_layers,
       )
       for k, block in enumerate(blocks):
         with noise.layer(stream, scanned + k, num_layers):
@@ -142,7 +150,9 @@ def _remat_block(block, x, *, remat: str, kwargs: dict):
   return x
 
 
-def _scan_blocks(stacked, x, *, remat: str, layer_kwargs, stream: int | None, num_layers: int):
+def _scan_blocks(
+  stacked, x, *, path: tuple, remat: str, layer_kwargs, stream: int | None, num_layers: int
+):
   splits = [nnx.split(slot) for slot in stacked]
   graphdefs = [g for g, _ in splits]
   # One stack per slot of the pattern, [repetitions, ...] per leaf, as stored; inside shard_map
@@ -158,7 +168,7 @@ def _scan_blocks(stacked, x, *, remat: str, layer_kwargs, stream: int | None, nu
     return x
 
   body, weights = _collecting_call(body)
-  sums = accumulate.sums_of(states) if remat == "full" else None
+  sums = accumulate.sums_of(path, states) if remat == "full" else None
   if sums is not None:  # the layers add their gradients into the running sums themselves
     x, added = accumulate.scan(body, x, states, sums)
   else:

@@ -93,15 +93,13 @@ def settings(cfg) -> dict:
 
 def make(cfg, dim: int, *, dtype=jnp.float32, param_dtype=jnp.float32) -> nnx.Module:
   if cfg.kind == "rms":
-    return RMSNorm(
-      dim, eps=cfg.eps, offset=cfg.get("offset", 0.0), dtype=dtype, param_dtype=param_dtype
-    )
+    return RMSNorm(dim, eps=cfg.eps, offset=cfg.offset, dtype=dtype, param_dtype=param_dtype)
   if cfg.kind == "layer":
     return LayerNorm(
       dim,
       eps=cfg.eps,
       use_bias=cfg.use_bias,
-      affine=cfg.get("affine", True),
+      affine=cfg.get("affine", True),  # written only when False (`config`)
       dtype=dtype,
       param_dtype=param_dtype,
     )

@@ -54,10 +54,10 @@ class Quant:
 
 def settings(cfg) -> Quant | None:
   """A model config's quantization (None for "none"); an unknown mode is a UserError."""
-  mode = cfg.get("quant", "none")
+  mode = cfg.quant
   if mode not in MODES:
     raise UserError(f"Unknown model.quant {mode!r}: use one of {', '.join(MODES)}.")
-  return None if mode == "none" else Quant(mode, bool(cfg.get("quant_backward", True)))
+  return None if mode == "none" else Quant(mode, bool(cfg.quant_backward))
 
 
 def qt_config(q: Quant) -> _qt.DotGeneralQtConfig:

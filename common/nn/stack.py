@@ -13,9 +13,26 @@ from nnx_zoo.common.nn import block, memory, position, stacking
 KIND_KEYS = ("attention", "position", "mlp")
 
 
+class StackKeys(dict):
+  """The keys of one kind of stack, made by its builder (`decoder_keys`, `encoder_keys`,
+  `encoder_decoder_keys`, `denoiser.denoiser_keys`): what `config(stack=...)` adds to the
+  shared keys."""
+
+  @classmethod
+  def declared(cls, arguments: dict, *, inputs: str | None = None) -> "StackKeys":
+    """A builder's keys: its keyword arguments (`locals()` on entry), so that each key is
+    named once, in the builder's signature with its default. `inputs`: the argument holding
+    the keys of an input kind (`patch_inputs`, `frame_inputs`), merged in; without them the
+    stack's inputs are tokens."""
+    keys = dict(arguments)
+    if inputs is None:
+      return cls(keys)
+    return cls({"inputs": "tokens", **(keys.pop(inputs) or {}), **keys})
+
+
 def layer_config(cfg, i: int) -> ml_collections.ConfigDict:
   """The config layer `i` is built from: `cfg` with its layer kind's changes."""
-  pattern = tuple(cfg.get("layer_pattern", ()))
+  pattern = tuple(cfg.layer_pattern)
   if not pattern:
     return cfg
   kinds = cfg.layer_kinds
@@ -38,7 +55,7 @@ def layer_config(cfg, i: int) -> ml_collections.ConfigDict:
       raise UserError(f"model.layer_kinds.{kind}.attention has no keys {bad}.")
     out.attention.update(changes.attention.to_dict())
   if "position" in changes:
-    if changes.position.get("kind") == "learned":
+    if changes.position.kind == "learned":
       raise UserError(
         f"model.layer_kinds.{kind}.position is learned: a layer kind's position may rotate or "
         "bias attention (rope, alibi, none), not add to the embeddings."
@@ -50,7 +67,7 @@ def layer_config(cfg, i: int) -> ml_collections.ConfigDict:
 
 
 def pattern_period(cfg) -> int:
-  return len(cfg.get("layer_pattern", ())) or 1
+  return len(cfg.layer_pattern) or 1
 
 
 class BlockStack(nnx.Module):
@@ -81,10 +98,16 @@ class BlockStack(nnx.Module):
       else None
     )
 
-  def _make_blocks(self, cfg, rngs):
+  def _make_blocks(self, cfg, rngs, *, path: tuple = (), cross_attention: bool = False):
+    """The blocks; `path`: where this stack sits in its model (its attribute there, () for the
+    model itself), which names its parameters' running gradient sums (common/nn/accumulate.py)."""
     block.check_placement(cfg)
-    blocks = [block.Block(layer_config(cfg, i), rngs=rngs) for i in range(cfg.num_layers)]
-    self.remat, self.scan = cfg.get("remat", "none"), cfg.get("scan", False)
+    self.path = tuple(path)
+    blocks = [
+      block.Block(layer_config(cfg, i), cross_attention=cross_attention, rngs=rngs)
+      for i in range(cfg.num_layers)
+    ]
+    self.remat, self.scan = cfg.remat, cfg.scan
     self.period = pattern_period(cfg)
     # Scanned, the layers are stored stacked (common/nn/stacking.py: `stacked`, one module per
     # slot of the pattern, then the `rest`); built one by one first, so the values are those of
@@ -126,6 +149,7 @@ class BlockStack(nnx.Module):
       cache=cache,
       remat=self.remat,
       period=self.period,
+      path=self.path,
       per_slot=per_slot,
       positions_BT=positions_BT,
       segment_ids_BT=segment_ids_BT,

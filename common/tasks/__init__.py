@@ -27,6 +27,7 @@ MODULES = (
   "nnx_zoo.common.tasks.contrastive",
   "nnx_zoo.common.tasks.denoiser",
   "nnx_zoo.common.tasks.speech",
+  "nnx_zoo.common.tasks.preference",
 )
 
 
@@ -62,6 +63,20 @@ class Task:
     """The rows `mesh.context` splits (a language model's next-token rows), or None: the task
     has no token rows to split."""
     return None
+
+  def configure(self, cfg) -> "Task":
+    """The task as `cfg` sets it up (its own config section, checked): `of(cfg)` returns it."""
+    return self
+
+  def prepare(self, data, *, cfg, layout=None) -> "Task":
+    """What the task sets up once before training or evaluating (dpo: its reference model);
+    the task itself, ready for `complete`."""
+    return self
+
+  def complete(self, batch: dict, params) -> dict:
+    """The batch (placed on the mesh) with what the task computes from it before a train or
+    eval step (dpo: the reference model's log-probabilities); the batch itself by default."""
+    return batch
 
   def generate(self, args, cfg) -> None:
     """`zoo generate --workdir W` of a run of this task (prints or writes what it makes)."""
@@ -101,19 +116,21 @@ def get(name: str) -> Task:
 
 def of(cfg) -> Task:
   """The task of a config: its `task`, or for a config saved before that key, `infer(cfg)`."""
-  return get(cfg.get("task") or infer(cfg))
+  return get(cfg.get("task") or infer(cfg)).configure(cfg)
 
 
 def infer(cfg) -> str:
-  """The task of a config that names none, from what it holds: a diffusion section (denoiser),
-  an encoder-decoder of frames (speech) or of tokens (seq2seq), a CLIP pair of towers
-  (contrastive), a classifier head (classifier), else a language model."""
+  """The task of a config that names none, from what it holds: a diffusion section (denoiser), a
+  preference section (dpo), an encoder-decoder of frames (speech) or of tokens (seq2seq), a CLIP
+  pair of towers (contrastive), a classifier head (classifier), else a language model."""
   from nnx_zoo.common import models
   from nnx_zoo.common.nn.denoiser import Denoiser
   from nnx_zoo.common.nn.encoder_decoder import EncoderDecoder
 
   if cfg.get("diffusion") is not None:
     return "denoiser"
+  if cfg.get("preference") is not None:
+    return "dpo"
   model_cls = models.family_module(cfg.model.family).Model
   if issubclass(model_cls, Denoiser):
     return "denoiser"

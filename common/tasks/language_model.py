@@ -1,6 +1,8 @@
 """The language model task: next-token cross-entropy over packed rows of documents; `zoo
 generate` continues a prompt."""
 
+import itertools
+
 import jax
 import numpy as np
 
@@ -44,6 +46,62 @@ class LanguageModel(tasks.Task):
       raise UserError("The prompt is empty: give --prompt TEXT.")
     out = sampling.generate((graphdef, params), prompt[None], **sampling_options(args))
     print(tokenizer.decode(out[0].tolist()))
+
+
+def chat(args, cfg):
+  """`zoo chat`: the model's answer to a conversation (`--messages FILE.json`), or turn after
+  turn from standard input; each prompt rendered with the run's chat template and the
+  generation prompt, each answer cut at the template's end of turn (or the end token)."""
+  import json
+  import sys
+
+  from nnx_zoo.common import sampling, tasks
+  from nnx_zoo.common.data import chat as chat_data
+  from nnx_zoo.common.data import tokenizers
+  from nnx_zoo.common.hub import weights
+
+  if tasks.of(cfg).name not in ("language_model", "dpo"):
+    raise UserError(f"`zoo chat` talks to a decoder; {args.workdir} holds a {tasks.of(cfg).name}.")
+  template = chat_data.template(cfg.data)
+  tokenizer = tokenizers.load(cfg.data.tokenizer)
+  graphdef, params, _ = weights.restore_params(cfg, args.workdir)
+  options = sampling_options(args)
+  rng = options.pop("rng")
+
+  def answer(messages, rng):
+    prompt, _ = tokenizer.encode_chat(template.render(messages, add_generation_prompt=True))
+    out = sampling.generate((graphdef, params), prompt[None], rng=rng, **options)
+    new = out[0, len(prompt) :].tolist()
+    if tokenizer.eos_id is not None and tokenizer.eos_id in new:
+      new = new[: new.index(tokenizer.eos_id)]
+    text = tokenizer.decode(new)
+    end = template.end_of_turn
+    return text.split(end)[0] if end else text
+
+  if args.messages is not None:
+    try:
+      with open(args.messages, encoding="utf-8") as f:
+        messages = json.load(f)
+    except (OSError, ValueError) as e:
+      raise UserError(f"--messages {args.messages!r} is not a JSON file of messages: {e}") from None
+    if isinstance(messages, dict):
+      messages = messages.get(cfg.data.messages_field, messages.get("messages"))
+    messages = chat_data.check_messages(messages, args.messages)
+    if args.system:
+      messages = [{"role": "system", "content": args.system}, *messages]
+    print(answer(messages, rng))
+    return
+  messages = [{"role": "system", "content": args.system}] if args.system else []
+  print("(an empty line or end of input ends the conversation)", file=sys.stderr)
+  for turn in itertools.count():
+    print("> ", end="", file=sys.stderr, flush=True)
+    line = sys.stdin.readline()
+    if not line.strip():
+      return
+    messages.append({"role": "user", "content": line.rstrip("\n")})
+    reply = answer(messages, jax.random.fold_in(rng, turn))
+    print(reply, flush=True)
+    messages.append({"role": "assistant", "content": reply})
 
 
 def sampling_options(args) -> dict:

@@ -20,7 +20,6 @@ from nnx_zoo.common import files, mesh, models, parallel, tasks
 from nnx_zoo.common.data import kinds, prepared
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
-from nnx_zoo.common.nn import stacking
 from nnx_zoo.common.train import faults, optim
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.common.train.metrics import MetricsLog
@@ -57,18 +56,12 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   else:
     state = jax.jit(lambda: steps.init_state(cfg, tx)[1], out_shardings=shardings)()
     if init_from is not None:  # what it does not give (adapters, init_reinit) stays fresh
-      params = jax.tree.map(  # one tree per layer (init_params), stacked back if scanned
-        lambda loaded, fresh: fresh if isinstance(loaded, jax.ShapeDtypeStruct) else loaded,
-        init_from,
-        stacking.unstack_layers(state.params),
-      )
-      params = stacking.match_layers(params, state.params)
-      params = jax.device_put(params, shardings.params)
+      params = weights.with_init_from(init_from, state.params, shardings.params)
       state = dataclasses.replace(state, params=params)
       if state.ema is not None:  # the average starts at the loaded weights (its own buffers)
         state = dataclasses.replace(state, ema=jax.tree.map(jnp.copy, params))
   start = int(state.step)
-  task = tasks.of(cfg)
+  task = tasks.of(cfg).prepare(data, cfg=cfg, layout=layout)  # dpo: its reference model
   step_fn = steps.make_train_step(cfg, tx=tx, layout=layout, shardings=shardings)
   graphdef = nnx.graphdef(models.abstract(cfg.model))
   tokens_per_step = cfg.train.batch_size * data.tokens_per_row
@@ -88,7 +81,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   signals = faults.Signals().install()  # SIGTERM/SIGINT: finish the step, save, exit
   try:
     for step in range(start + 1, cfg.train.steps + 1):
-      state, metrics = step_fn(state, steps.put_batch(next(data_iter), layout, task))
+      batch = task.complete(steps.put_batch(next(data_iter), layout, task), state.params)
+      state, metrics = step_fn(state, batch)
       nonfinite.observe(step, metrics)
       if step % cfg.train.log_every == 0 or step == cfg.train.steps:
         metrics = {k: float(v) for k, v in metrics.items()}
@@ -108,7 +102,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
       ):
         weights_now = state.params if state.ema is None else state.ema  # train.ema: the average
-        ev = evaluate(weights_now, data, graphdef=graphdef, cfg=cfg, layout=layout)
+        ev = evaluate(weights_now, data, graphdef=graphdef, cfg=cfg, layout=layout, task=task)
         log.write(step, ev, split="eval")
         # The loss, and what else the task and data measure (accuracy, word error rate...).
         shown = ", ".join(f"{k} {v:.4f}" for k, v in ev.items() if isinstance(v, float))
@@ -175,7 +169,7 @@ def check_workdir(cfg, workdir: str):
 
 
 def evaluate(
-  params, data: kinds.Data, *, graphdef, cfg, layout: parallel.Layout | None = None
+  params, data: kinds.Data, *, graphdef, cfg, layout: parallel.Layout | None = None, task=None
 ) -> dict:
   """The task's held-out metrics (`Task.summary`: the mean loss, and its own, such as a
   classifier's accuracy) over the held-out rows (all of them unless train.eval_batches limits
@@ -183,8 +177,8 @@ def evaluate(
 
   Runs as plain jit over the global (sharded) arrays: XLA partitions it, no shard_map needed;
   but a mesh that splits rows over `context` runs it as the train step runs (shard_map), each
-  device given its share of every row."""
-  task = tasks.of(cfg)
+  device given its share of every row. `task`: the run's, prepared (`Task.prepare`)."""
+  task = task or tasks.of(cfg).prepare(data, cfg=cfg, layout=layout)
   if layout is not None and layout.sizes.get("context", 1) > 1:
     step = functools.partial(steps.sharded_eval_step, graphdef=graphdef, task=task, layout=layout)
   else:
@@ -199,7 +193,8 @@ def evaluate(
     for batch in data.eval_batches(
       held_out, batch_size=cfg.train.batch_size, max_batches=cfg.train.eval_batches
     ):
-      for k, v in step(params, steps.put_batch(batch, layout, task)).items():
+      batch = task.complete(steps.put_batch(batch, layout, task), params)
+      for k, v in step(params, batch).items():
         part[k] = part.get(k, 0.0) + float(v)
     for k, v in part.items():
       sums[k] = sums.get(k, 0.0) + v

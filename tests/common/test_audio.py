@@ -134,3 +134,44 @@ def test_stretch_frames_reads_frame_t_at_t_times_rate(rate):
   want = np.stack([np.interp(at, np.arange(50), features[:, c]) for c in range(4)], axis=1)
   assert got.shape == features.shape and got.dtype == np.float32
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def bursts(layout: list[tuple[float, float]], *, seed: int = 0) -> np.ndarray:
+  """Speech-like audio: (seconds of sound, seconds of pause after it) in turn, the sound tone
+  bursts of 0.2 s with 40 ms gaps (the gaps between words), faint noise throughout."""
+  rng = np.random.default_rng(seed)
+  parts = []
+  for sound, pause in layout:
+    t = np.arange(int(sound * 16_000)) / 16_000
+    on = (t % 0.24) < 0.2
+    parts += [0.3 * np.sin(2 * np.pi * 300 * t) * on, np.zeros(int(pause * 16_000))]
+  clip = np.concatenate(parts)
+  return (clip + 1e-4 * rng.standard_normal(clip.size)).astype(np.float32)
+
+
+def test_windows_cut_in_the_pauses():
+  """Spans cover the audio in order, none longer than the window, each cut in the pause nearest
+  the window's end (not in a gap between words), in the middle of it; audio the window holds is
+  one span."""
+  layout = [(1.0, 0.3), (1.2, 0.4), (1.4, 0.3), (1.3, 0.3), (0.5, 0.0)]
+  clip = bursts(layout)
+  spans = audio.windows(clip, seconds=3.0)
+  assert spans[0][0] == 0 and spans[-1][1] == len(clip)
+  assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+  assert all(0 < end - start <= 48_000 for start, end in spans)
+  pauses, at = [], 0.0
+  for sound, pause in layout:
+    pauses.append((at + sound, at + sound + pause))
+    at += sound + pause
+  cuts = [end / 16_000 for _, end in spans[:-1]]
+  # Window 1 (0-3 s) holds the pauses at 1.0-1.3 and 2.5-2.9: the later, in the last half;
+  # window 2 (from 2.7 s) the one at 4.3-4.6 (not 5.9-6.2, past its end); window 3, from
+  # 4.45 s, holds the rest.
+  assert len(cuts) == 2, cuts
+  for cut, (lo, hi) in zip(cuts, pauses[1:3], strict=True):
+    assert lo + 0.1 <= cut <= hi - 0.1, (cuts, pauses)
+  assert audio.windows(clip[:48_000], seconds=3.0) == [(0, 48_000)]
+  assert audio.windows(np.zeros(0), seconds=3.0) == [(0, 0)]
+  # Without a pause the window is cut where the sound is faintest, never past its end.
+  tone = bursts([(7.0, 0.0)])
+  assert all(end - start <= 48_000 for start, end in audio.windows(tone, seconds=3.0))

@@ -306,6 +306,21 @@ def test_scanned_layers_add_each_micro_batch_into_the_sums_in_their_backward_loo
   assert not fused
 
 
+def test_the_running_sums_are_found_by_the_stack_s_path():
+  """accumulate's keys are parameter paths: a stack finds its sums at its path in the model
+  (the model's own, ()), and a stack that names another path finds none (the plain scan)."""
+  model = models.build(with_scan(llama.config("tiny", num_layers=3), remat="full"))
+  params = nnx.state(model, nnx.Param)
+  sums = jax.tree.map(jnp.zeros_like, params)
+  states = tuple(nnx.split(slot)[1] for slot in model.stacked)
+  with accumulate.accumulating(params, sums) as fused:
+    found = accumulate.sums_of(model.path, states)
+    assert accumulate.sums_of(("encoder",), states) is None
+  assert model.path == () and found is not None and len(found) == len(jax.tree.leaves(states))
+  stacked = [i for i, p in enumerate(accumulate.paths(params)) if p[0] == "stacked"]
+  assert sorted(fused) == stacked  # what the scan added into, by index in params' leaves
+
+
 def test_an_encoder_decoder_accumulates_in_both_stacks_and_through_the_cross_attention(
   monkeypatch,
 ):

@@ -1,12 +1,17 @@
 """The spoken-digits data: deterministic utterances, held-out voices disjoint from training,
-espeak-ng synthesis that repeats itself and is cached, batches, and word error counting."""
+espeak-ng synthesis that repeats itself and is cached, batches, word error counting, and
+transcripts of audio longer than the window."""
 
 import shutil
 
 import numpy as np
 import pytest
 
-from nnx_zoo.common.data import speech
+from nnx_zoo.common import experiments
+from nnx_zoo.common.data import audio, speech
+from nnx_zoo.common.tasks import speech as speech_task
+
+RECIPE = "speech/spoken-digits"
 
 needs_espeak = pytest.mark.skipif(
   shutil.which("espeak-ng") is None, reason="espeak-ng is not installed"
@@ -112,3 +117,56 @@ def test_word_errors_and_decode():
   assert speech.word_errors("one two two three", "one two three") == 1  # an insertion
   assert speech.word_errors("", "one two") == 2
   assert speech.decode([3 + 7, 3 + 2, speech.END, 3 + 9]) == "seven two"
+
+
+@needs_espeak
+def test_a_clip_longer_than_the_window_transcribes_in_order(tmp_path, capsys):
+  """Three held-out utterances of the recipe joined with short pauses, longer than its window,
+  through the windowing of `zoo generate --audio` against a stub decoder: it hears a window's
+  samples and writes the texts of the utterances whose speech lies whole inside it, and
+  "<cut>" for one a cut splits. The transcript is the three texts in order, no warning."""
+  data = experiments.get_config(RECIPE).data
+  data.cache = str(tmp_path)
+  items, clips = speech.load_audio(data, "eval", 3)
+  rng = np.random.default_rng(0)
+  pause = np.zeros(int(0.2 * audio.SAMPLE_RATE), np.float32)
+  parts, spoken, at = [], [], 0
+  for clip in clips:
+    loud = np.flatnonzero(np.abs(clip) > 1e-3)
+    spoken.append((at + loud[0], at + loud[-1] + 1))
+    parts += [clip, pause]
+    at += len(clip) + len(pause)
+  joined = np.concatenate(parts)
+  joined += 1e-4 * rng.standard_normal(joined.size, dtype=np.float32)  # a recording's hiss
+  assert len(joined) > data.seconds * audio.SAMPLE_RATE
+  heard = []
+
+  def stub(samples):
+    start = sum(len(w) for w in heard)
+    heard.append(samples)
+    end = start + len(samples)
+    assert len(samples) <= data.seconds * audio.SAMPLE_RATE
+    words = []
+    for (a, b), u in zip(spoken, items, strict=True):
+      if start <= a and b <= end:
+        words.append(u["text"])
+      elif a < end and start < b:
+        words.append("<cut>")
+    return " ".join(words), True
+
+  got = speech_task.transcript(joined, seconds=data.seconds, transcribe=stub, limit=8)
+  assert got == " ".join(u["text"] for u in items)
+  assert len(heard) > 1 and sum(len(w) for w in heard) == len(joined)
+  assert "warning" not in capsys.readouterr().err
+
+
+def test_a_transcript_at_the_length_limit_is_warned_about(capsys):
+  """A window whose decoding never wrote its end token is said on stderr, with where it is."""
+  clip = np.zeros(int(2.5 * audio.SAMPLE_RATE), np.float32)
+  ends = iter([True, False])
+  got = speech_task.transcript(clip, seconds=1.5, transcribe=lambda s: ("one", next(ends)), limit=8)
+  assert got == "one one"
+  err = capsys.readouterr().err
+  assert err.count("zoo: warning:") == 1 and "limit of 8 tokens" in err, err
+  # Silence is quiet everywhere: the first window ends mid-way through its last half.
+  assert "of 1.12-2.50 s" in err, err

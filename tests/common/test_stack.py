@@ -156,25 +156,68 @@ def test_attention_scale(scale):
 
 
 def test_encoder_of_frames_through_a_conv_stem():
-  """`frame_inputs`: an Encoder (and an EncoderDecoder's encoder) reads feature frames through
-  the shared ConvStem; its output is the stack run on the stem's output, and the frames' segment
-  ids follow the stem (padding frames unseen)."""
-  from nnx_zoo.common.nn import position, transformer
+  """`frame_inputs`: an EncoderDecoder's encoder reads feature frames through the shared
+  ConvStem; its output is the stack run on the stem's output, and the frames' segment ids follow
+  the stem (padding frames unseen). (Frames are an encoder-decoder's input alone: the one path
+  that embeds them is the one Whisper trains with.)"""
+  from nnx_zoo.common.nn import transformer
   from nnx_zoo.zoo.bert import model as bert
+  from nnx_zoo.zoo.t5 import model as t5
 
-  cfg = bert.config("tiny", num_layers=1)
+  cfg = t5.config("tiny", num_layers=1)
   cfg.update(transformer.frame_inputs(channels=6, width=3, strides=(2,)))
-  cfg.position = position.config("sinusoidal", max_len=16)
-  cfg.type_vocab_size = 0
   model = models.build(cfg, seed=0)
-  assert model.embed is None and model.stem is not None
+  assert model.stem is not None
   x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 20, 6)), jnp.float32)
   seg = np.ones((2, 20), np.int32)
   seg[1, 12:] = 0
-  out = nnx.jit(lambda m, x, s: m.encode(x, segment_ids_BT=s))(model, x, jnp.asarray(seg))
+  out = nnx.jit(lambda m, x, s: m.encode(x, segment_ids_BS=s))(model, x, jnp.asarray(seg))
   assert out.shape == (2, 10, cfg.dim)
   noisy = x.at[1, 13:].set(9.0)  # frame 12 is under window 6's edge, which is padding too
-  again = nnx.jit(lambda m, x, s: m.encode(x, segment_ids_BT=s))(model, noisy, jnp.asarray(seg))
+  again = nnx.jit(lambda m, x, s: m.encode(x, segment_ids_BS=s))(model, noisy, jnp.asarray(seg))
   np.testing.assert_allclose(np.asarray(again[1, :6]), np.asarray(out[1, :6]), atol=1e-5)
-  with pytest.raises(UserError, match="attention_mask"):
-    model.encode(x, attention_mask=jnp.ones((2, 20)))
+  # An Encoder (BERT's) has no frame path: it names its inputs instead.
+  tokens_only = bert.config("tiny", num_layers=1)
+  tokens_only.inputs = "frames"
+  with pytest.raises(UserError, match="model.inputs"):
+    models.build(tokens_only, seed=0)
+
+
+def test_a_config_saved_before_keys_were_declared_builds_the_same_model():
+  """The layers index every key; a config saved without the keys added since (its stack's, the
+  blocks' modulation and mlp_norm) is read as today's by models.build, and builds the same
+  model."""
+  from nnx_zoo.zoo.t5 import model as t5
+
+  for cfg, added in (
+    (llama.config("tiny"), ("modulation", "mlp_norm", "final_softcap")),
+    (t5.config("tiny"), ("modulation", "mlp_norm", "final_softcap", "inputs")),
+  ):
+    old = cfg.to_dict()
+    for key in added:
+      del old[key]
+    want = nnx.state(models.build(cfg, seed=0), nnx.Param)
+    got = nnx.state(models.build(old, seed=0), nnx.Param)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_a_stack_s_keys_come_from_its_builder():
+  """transformer.config(stack=...) takes the keys a stack's builder declares, not a dict."""
+  from nnx_zoo.common.nn import position, transformer
+
+  shared = dict(
+    family="llama",
+    vocab_size=8,
+    dim=8,
+    num_layers=1,
+    attention=attention.config(num_heads=2, head_dim=4),
+    position=position.config("rope"),
+    norm=norms.config("rms"),
+    mlp=mlp.config("swiglu", hidden_dim=16),
+  )
+  cfg = transformer.config(**shared, stack=transformer.decoder_keys(final_softcap=30.0))
+  assert (cfg.tie_embeddings, cfg.final_softcap) == (False, 30.0)
+  with pytest.raises(TypeError, match="decoder_keys"):
+    transformer.config(**shared, stack={"tie_embeddings": True, "final_softcap": 0.0})

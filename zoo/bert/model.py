@@ -53,11 +53,13 @@ def config(p: dict) -> ml_collections.ConfigDict:
     norm=norms.config("layer", eps=p.get("norm_eps", 1e-12)),
     mlp=mlp.config(p.get("activation", "gelu_exact"), hidden_dim=p["hidden_dim"], use_bias=True),
     norm_placement="post",
-    type_vocab_size=p.get("type_vocab_size", 2),
-    embed_norm=True,
-    final_norm=False,
-    pooler=p.get("pooler", True),
-    num_labels=p.get("num_labels", 0),
+    stack=transformer.encoder_keys(
+      type_vocab_size=p.get("type_vocab_size", 2),
+      embed_norm=True,
+      final_norm=False,
+      pooler=p.get("pooler", True),
+      num_labels=p.get("num_labels", 0),
+    ),
   )
 
 

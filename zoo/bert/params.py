@@ -71,7 +71,7 @@ def config_to_hf(cfg, model_type: str | None = None) -> dict:
   """config.json; one architecture, so `model_type` is always "bert"."""
   act = plain_transformer_activation(cfg, ACTIVATIONS, "BERT")
   att = cfg.attention
-  num_labels = cfg.get("num_labels", 0)
+  num_labels = cfg.num_labels
   # Without a pooler, BertModel still loads (it initialises one: the hidden states are the same).
   return {
     "architectures": ["BertForSequenceClassification" if num_labels else "BertModel"],
@@ -94,7 +94,7 @@ def config_to_hf(cfg, model_type: str | None = None) -> dict:
 
 def rules(cfg) -> list:
   # A classifier's encoder weights are named as BertForSequenceClassification's: under "bert.".
-  head = cfg.get("num_labels", 0)
+  head = cfg.num_labels
   p = PREFIX if head else ""
   e = f"{p}embeddings"
   r = [

@@ -57,8 +57,8 @@ SHARED = ("remat", "scan", "quant", "quant_backward", "lora", "dtype", "param_dt
 def config(p: dict) -> ml_collections.ConfigDict:
   """The model config of a preset, with overrides: projection_dim, `text` and `vision` (dicts of
   the presets' tower keys; vision also channels, pixel_mean, pixel_std (OpenAI's)), and
-  end_token (-1: the text tower pools at each row's largest id, as OpenAI's tokenizer makes its
-  end token the largest, and HF's CLIP with eos_token_id 2; else the first `end_token`),
+  end_token (None: the text tower pools at each row's largest id, as OpenAI's tokenizer makes
+  its end token the largest, and HF's CLIP with eos_token_id 2; else the first `end_token`),
   activation ("quick_gelu"), norm_eps (1e-5), logit_scale_init (ln(1 / 0.07))."""
   text, vision = p["text"], p["vision"]
   for name, given, known in (("text", text, TEXT_KEYS), ("vision", vision, VISION_KEYS)):
@@ -66,10 +66,7 @@ def config(p: dict) -> ml_collections.ConfigDict:
     if unknown:
       raise UserError(f"clip's {name} tower has no keys {unknown}; its keys: {list(known)}.")
   act, eps = p.get("activation", "quick_gelu"), p.get("norm_eps", 1e-5)
-  end_token = p.get("end_token", -1)
-  pool = (
-    {"pool_at": "argmax"} if end_token < 0 else {"pool_at": "end_token", "end_token": end_token}
-  )
+  end_token = p.get("end_token")
   channels = vision.get("channels", 3)
   text_cfg = _tower(
     text,
@@ -78,8 +75,11 @@ def config(p: dict) -> ml_collections.ConfigDict:
     mask="causal",
     max_len=text["max_len"],
     vocab_size=text["vocab_size"],
-    final_norm=True,
-    **pool,
+    stack=transformer.encoder_keys(
+      final_norm=True,
+      pool_at="argmax" if end_token is None else "end_token",
+      end_token=end_token,
+    ),
   )
   vision_cfg = _tower(
     vision,
@@ -88,17 +88,19 @@ def config(p: dict) -> ml_collections.ConfigDict:
     mask="bidirectional",
     max_len=(vision["image_size"] // vision["patch"]) ** 2 + 1,
     vocab_size=0,  # no token table: the inputs are images
-    **transformer.patch_inputs(
-      image_size=vision["image_size"],
-      patch=vision["patch"],
-      channels=channels,
-      patch_bias=False,
-      pixel_mean=vision.get("pixel_mean", OPENAI_MEAN[:channels]),
-      pixel_std=vision.get("pixel_std", OPENAI_STD[:channels]),
+    stack=transformer.encoder_keys(
+      images=transformer.patch_inputs(
+        image_size=vision["image_size"],
+        patch=vision["patch"],
+        channels=channels,
+        patch_bias=False,
+        pixel_mean=vision.get("pixel_mean", OPENAI_MEAN[:channels]),
+        pixel_std=vision.get("pixel_std", OPENAI_STD[:channels]),
+      ),
+      embed_norm=True,  # HF's pre_layrnorm
+      final_norm=True,  # HF's post_layernorm, on every token: the pooled one is HF's
+      pool_at="first",
     ),
-    embed_norm=True,  # HF's pre_layrnorm
-    final_norm=True,  # HF's post_layernorm, on every token: the pooled one is HF's
-    pool_at="first",
   )
   shared = {k: text_cfg[k] for k in SHARED}
   for tower in (text_cfg, vision_cfg):
@@ -117,10 +119,19 @@ def config(p: dict) -> ml_collections.ConfigDict:
   )
 
 
-def _tower(p: dict, act: str, eps: float, *, mask: str, max_len: int, **extra):
+def _tower(
+  p: dict,
+  act: str,
+  eps: float,
+  *,
+  mask: str,
+  max_len: int,
+  vocab_size: int,
+  stack: transformer.StackKeys,
+) -> ml_collections.ConfigDict:
   return transformer.config(
     family="clip",
-    vocab_size=extra.pop("vocab_size"),
+    vocab_size=vocab_size,
     dim=p["dim"],
     num_layers=p["num_layers"],
     attention=attention.config(
@@ -134,7 +145,7 @@ def _tower(p: dict, act: str, eps: float, *, mask: str, max_len: int, **extra):
     norm=norms.config("layer", eps=eps),
     mlp=mlp.config(act, hidden_dim=p["hidden_dim"], use_bias=True),
     norm_placement="pre",
-    **extra,
+    stack=stack,
   )
 
 
@@ -154,8 +165,8 @@ class Model(nnx.Module):
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     dt = dtypes(cfg)
-    self.text = transformer.Encoder(tower_config(cfg, "text"), rngs=rngs)
-    self.vision = transformer.Encoder(tower_config(cfg, "vision"), rngs=rngs)
+    self.text = transformer.Encoder(tower_config(cfg, "text"), path=("text",), rngs=rngs)
+    self.vision = transformer.Encoder(tower_config(cfg, "vision"), path=("vision",), rngs=rngs)
     P = cfg.projection_dim
     # HF's init: std D^-0.5 for the projections.
     self.text_projection = Linear(

@@ -79,7 +79,7 @@ def config_from_hf(hf: dict, names=()) -> ml_collections.ConfigDict:
       "patch": vision["patch_size"],
       "channels": vision.get("num_channels") or 3,
     },
-    end_token=-1 if eos == ARGMAX_EOS else eos,
+    end_token=None if eos == ARGMAX_EOS else eos,
     activation=act,
     norm_eps=eps,
     logit_scale_init=hf.get("logit_scale_init_value", math.log(1 / 0.07)),

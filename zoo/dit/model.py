@@ -35,9 +35,8 @@ def config(p: dict) -> ml_collections.ConfigDict:
   freq_shift (1, diffusers' timestep frequencies, which its converted DiT checkpoints run with
   and which export needs; the paper's code has 0) and activation ("gelu": tanh GELU, DiT's)."""
   D, eps = p["dim"], p.get("norm_eps", 1e-6)
-  extra = {}
-  if p.get("mlp_norm_eps", eps) != eps:
-    extra["mlp_norm"] = norms.config("layer", eps=p["mlp_norm_eps"], affine=False)
+  mlp_eps = p.get("mlp_norm_eps", eps)
+  mlp_norm = norms.config("layer", eps=mlp_eps, affine=False) if mlp_eps != eps else None
   return transformer.config(
     family="dit",
     vocab_size=0,  # no token table: the inputs are images
@@ -57,17 +56,17 @@ def config(p: dict) -> ml_collections.ConfigDict:
     ),
     norm_placement="pre",
     modulation="adaln_zero",
-    **extra,
-    **denoiser.image_inputs(
+    mlp_norm=mlp_norm,
+    stack=denoiser.denoiser_keys(
       image_size=p["image_size"],
       patch=p["patch"],
       channels=p["channels"],
       out_channels=p["out_channels"],
-    ),
-    conditioning=conditioning.config(
-      num_classes=p["num_classes"],
-      frequency_dim=p.get("frequency_dim", 256),
-      freq_shift=p.get("freq_shift", 1.0),
+      conditioning=conditioning.config(
+        num_classes=p["num_classes"],
+        frequency_dim=p.get("frequency_dim", 256),
+        freq_shift=p.get("freq_shift", 1.0),
+      ),
     ),
   )
 

@@ -55,7 +55,7 @@ def config_to_hf(cfg, model_type: str | None = None) -> dict:
   """config.json of a DiTTransformer2DModel; what it cannot express is refused."""
   del model_type
   att, cond = cfg.attention, cfg.conditioning
-  mlp_eps = (cfg.get("mlp_norm") or cfg.norm).eps
+  mlp_eps = (cfg.mlp_norm or cfg.norm).eps
   acts = {v: k for k, v in ACTIVATIONS.items()}
   problems = []
   if cfg.norm.eps != 1e-6:

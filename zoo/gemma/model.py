@@ -84,8 +84,7 @@ def config(p: dict) -> ml_collections.ConfigDict:
     embed_scale=True,
     layer_pattern=p.get("layer_pattern", PATTERNS[p["version"]]),
     layer_kinds={"sliding": sliding, "full": {}},
-    tie_embeddings=True,
-    final_softcap=p.get("final_softcap", 0.0),
+    stack=transformer.decoder_keys(tie_embeddings=True, final_softcap=p.get("final_softcap", 0.0)),
   )
 
 

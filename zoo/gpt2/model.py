@@ -41,8 +41,7 @@ def config(p: dict) -> ml_collections.ConfigDict:
     mlp=mlp.config(
       p.get("activation", "gelu"), hidden_dim=p.get("hidden_dim", 4 * p["dim"]), use_bias=True
     ),
-    tie_embeddings=p.get("tie_embeddings", True),
-    final_softcap=0.0,
+    stack=transformer.decoder_keys(tie_embeddings=p.get("tie_embeddings", True)),
   )
 
 

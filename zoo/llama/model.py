@@ -84,8 +84,7 @@ def config(p: dict) -> ml_collections.ConfigDict:
     ),
     norm=norms.config("rms", eps=p["norm_eps"]),
     mlp=_mlp(p),
-    tie_embeddings=p.get("tie_embeddings", False),
-    final_softcap=0.0,
+    stack=transformer.decoder_keys(tie_embeddings=p.get("tie_embeddings", False)),
   )
 
 

@@ -65,12 +65,14 @@ def config(p: dict) -> ml_collections.ConfigDict:
     position=relative(True),
     norm=norms.config("rms", eps=p.get("norm_eps", 1e-6)),
     mlp=mlp.config(p["activation"], hidden_dim=p["hidden_dim"]),
-    num_decoder_layers=p.get("num_decoder_layers", p["num_layers"]),
-    decoder_position=relative(False),
-    shared_embeddings=True,
-    tie_embeddings=p["tie_embeddings"],
-    output_scale=p.get("output_scale", "rsqrt_dim" if p["tie_embeddings"] else "none"),
-    decoder_start_id=p.get("decoder_start_id", 0),
+    stack=transformer.encoder_decoder_keys(
+      num_decoder_layers=p.get("num_decoder_layers", p["num_layers"]),
+      decoder_position=relative(False),
+      decoder_start_id=p.get("decoder_start_id", 0),
+      shared_embeddings=True,
+      tie_embeddings=p["tie_embeddings"],
+      output_scale=p.get("output_scale", "rsqrt_dim" if p["tie_embeddings"] else "none"),
+    ),
   )
 
 

@@ -89,7 +89,7 @@ def config_to_hf(cfg, model_type: str | None = None) -> dict:
   if (
     not cfg.shared_embeddings
     or cfg.embed_scale
-    or cfg.get("final_softcap", 0.0)
+    or cfg.final_softcap
     or cfg.layer_pattern
     or cfg.norm_placement != "pre"
     or (cfg.norm.kind, cfg.norm.get("offset", 0.0)) != ("rms", 0.0)

@@ -67,10 +67,12 @@ def config(p: dict) -> ml_collections.ConfigDict:
     norm=norms.config("layer", eps=p.get("norm_eps", 1e-12)),
     mlp=mlp.config(p.get("activation", "gelu_exact"), hidden_dim=p["hidden_dim"], use_bias=True),
     norm_placement="pre",
-    **images,
-    final_norm=True,
-    pool_at="first" if pool == "token" else "mean",
-    num_labels=p["num_labels"],
+    stack=transformer.encoder_keys(
+      images=images,
+      final_norm=True,
+      pool_at="first" if pool == "token" else "mean",
+      num_labels=p["num_labels"],
+    ),
   )
 
 

@@ -80,13 +80,15 @@ def config(p: dict) -> ml_collections.ConfigDict:
     norm=norms.config("layer", eps=p.get("norm_eps", 1e-5)),
     mlp=mlp.config("gelu_exact", hidden_dim=p["hidden_dim"], use_bias=True),
     norm_placement="pre",
-    **frames,
-    num_decoder_layers=p.get("num_decoder_layers", p["num_layers"]),
-    decoder_position=position.config("learned", max_len=p["max_target_len"]),
-    shared_embeddings=True,
-    tie_embeddings=True,
-    output_scale="none",
-    decoder_start_id=p["decoder_start_id"],
+    stack=transformer.encoder_decoder_keys(
+      frames=frames,
+      num_decoder_layers=p.get("num_decoder_layers", p["num_layers"]),
+      decoder_position=position.config("learned", max_len=p["max_target_len"]),
+      decoder_start_id=p["decoder_start_id"],
+      shared_embeddings=True,
+      tie_embeddings=True,
+      output_scale="none",
+    ),
   )
 
 

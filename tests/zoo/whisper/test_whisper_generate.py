@@ -148,6 +148,41 @@ def test_transcript_equals_transformers(capsys, converted):
   )
 
 
+def test_long_audio_window_by_window(capsys, converted, tmp_path):
+  """Audio longer than the window: the zoo cuts it at its quietest points near each window's end
+  (audio.windows) and joins the windows' transcripts; each window's equals what transformers'
+  feature extractor, `generate` and tokenizer make of that window's samples. transformers' own
+  long-form transcription (timestamp tokens, seeking to the last one) is not what the zoo does.
+  A window whose transcript reaches --max-new-tokens without its end is warned about."""
+  model, hf_dir, zoo_dir, _ = converted
+  t = np.arange(int(0.6 * audio.SAMPLE_RATE)) / audio.SAMPLE_RATE
+  pause = np.zeros(int(0.3 * audio.SAMPLE_RATE))
+  parts = [0.3 * np.sin(2 * np.pi * hz * t) for hz in (300, 520, 410)]
+  clip = np.concatenate([parts[0], pause, parts[1], pause, parts[2]])  # 2.4 s, the window 1 s
+  audio.write_wav(str(tmp_path / "long.wav"), clip)
+  samples = audio.read_wav(str(tmp_path / "long.wav"))
+  spans = audio.windows(samples, seconds=SECONDS)
+  assert len(spans) == 3, spans
+  want, unended = [], 0
+  for i, (start, end) in enumerate(spans):
+    audio.write_wav(str(tmp_path / f"w{i}.wav"), samples[start:end])  # the same int16 samples
+    ids, text = transformers_transcript(
+      model, hf_dir, tmp_path / f"w{i}.wav", language="en", task="transcribe"
+    )
+    want.append(text)
+    unended += len(ids) == MAX_NEW  # no <|endoftext|> within the limit
+  assert len(set(want)) == 3, want
+  capsys.readouterr()
+  argv = ["generate", "--workdir", zoo_dir, "--audio", tmp_path / "long.wav"]
+  assert cli.main([str(a) for a in [*argv, "--max-new-tokens", MAX_NEW]]) == 0
+  out, err = capsys.readouterr()
+  assert out.rstrip("\n") == " ".join(want)
+  assert err.count(f"limit of {MAX_NEW} tokens without its end token") == unended, err
+  assert cli.main([str(a) for a in [*argv, "--max-new-tokens", 1]]) == 0
+  err = capsys.readouterr().err
+  assert err.count("limit of 1 tokens without its end token") == 3, err
+
+
 def test_unknown_language_and_task_refused(capsys, converted):
   _, _, zoo_dir, wav = converted
   capsys.readouterr()

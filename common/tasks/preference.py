@@ -1,0 +1,146 @@
+"""The dpo task: Direct Preference Optimization (Rafailov et al., 2023) on pairs of replies to one
+prompt (`data.format="preference"`, common/data/pipeline.py `conversation_split`).
+
+Per pair, with log-probabilities summed over each reply's tokens (the loss weights), the policy
+being trained and the reference the frozen `init_from` weights:
+
+    chosen_reward   = beta * (log pi(chosen)   - log ref(chosen))
+    rejected_reward = beta * (log pi(rejected) - log ref(rejected))
+    loss            = -log sigmoid(chosen_reward - rejected_reward)
+
+The reference's log-probabilities of each batch come from a forward pass of the reference
+model before the train step (`complete`), and ride in the batch as `reference` [B, 2]. The
+reference holds no optimizer state and is placed on the mesh as the params are (`prepare`: the
+init_from weights); under LoRA it is the base model without a copy (the params with every
+adapter at zero: a fresh adapter changes nothing). Precomputing them once for every pair costs a
+forward pass per pair instead of per visit: bench/dpo_reference.py measured that as the dearer
+choice for a run that visits each pair about once (chat/shakespeare-dialogue-dpo: 0.35 of an
+epoch), so the zoo computes them per batch.
+
+Held out: the loss, the mean rewards, their margin, `reward_accuracy` (chosen reward above
+rejected) and `preference_accuracy`: the share of pairs whose chosen reply the model itself
+finds likelier (no reference: comparable across models, e.g. an SFT model against its DPO run).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from nnx_zoo.common import models, parallel, tasks
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub import weights
+from nnx_zoo.common.nn import lora
+from nnx_zoo.common.train import losses
+
+
+def config(beta: float = 0.1) -> ml_collections.ConfigDict:
+  """The `preference` section: `beta`, how far the policy may move from the reference (the
+  KL penalty's inverse temperature)."""
+  return ml_collections.ConfigDict({"beta": beta})
+
+
+def sequence_logps(model, batch: dict) -> jax.Array:
+  """[B, 2] log-probabilities of each pair's chosen and rejected reply: the sum, over the reply's
+  tokens (`loss_weights`), of each token's log-probability given what comes before it."""
+  B, _, L = batch["tokens"].shape
+  flat = {k: batch[k].reshape(2 * B, L) for k in ("tokens", "segment_ids", "loss_weights")}
+  rows = losses.next_token_rows(flat)
+  logits = model(rows["inputs"], positions_BT=rows["positions"], segment_ids_BT=rows["segment_ids"])
+  ce = parallel.cross_entropy(logits, rows["targets"])
+  return -jnp.sum(ce * rows["weights"], axis=-1).reshape(B, 2)
+
+
+class DPO(tasks.Task):
+  name = "dpo"
+
+  def __init__(self, beta: float | None = None):
+    self.beta = beta
+
+  def _terms(self, model, batch, beta):
+    policy = sequence_logps(model, batch)
+    reference = batch["reference"]
+    rewards = beta * (policy - reference)  # [B, 2]
+    margin = rewards[:, 0] - rewards[:, 1]
+    pairs = (jnp.sum(batch["loss_weights"], axis=(1, 2)) > 0).astype(jnp.float32)  # not padding
+    return policy, rewards, margin, pairs
+
+  def loss_sums(self, model, batch, *, loss_chunk=0, beta=None):
+    if loss_chunk:
+      raise UserError("The dpo task sums each reply's log-probability: set train.loss_chunk=0.")
+    _, _, margin, pairs = self._terms(model, batch, self.beta if beta is None else beta)
+    return jnp.sum(-jax.nn.log_sigmoid(margin) * pairs), jnp.sum(pairs)
+
+  def eval_sums(self, model, batch, *, prompts=None):
+    policy, rewards, margin, pairs = self._terms(model, batch, self.beta)
+    return {
+      "total": jnp.sum(-jax.nn.log_sigmoid(margin) * pairs),
+      "count": jnp.sum(pairs),
+      "chosen_reward": jnp.sum(rewards[:, 0] * pairs),
+      "rejected_reward": jnp.sum(rewards[:, 1] * pairs),
+      "reward_correct": jnp.sum((margin > 0) * pairs),
+      "preferred": jnp.sum((policy[:, 0] > policy[:, 1]) * pairs),
+    }
+
+  def summary(self, sums):
+    n = max(sums["count"], 1.0)
+    chosen, rejected = sums["chosen_reward"] / n, sums["rejected_reward"] / n
+    return {
+      "loss": sums["total"] / n,
+      "chosen_reward": chosen,
+      "rejected_reward": rejected,
+      "margin": chosen - rejected,
+      "reward_accuracy": sums["reward_correct"] / n,
+      "preference_accuracy": sums["preferred"] / n,
+      "pairs": int(n),
+    }
+
+  def batch_shapes(self, cfg):
+    B, L = cfg.train.batch_size, cfg.data.seq_len + 1
+    shapes = {k: ((B, 2, L), np.int32) for k in ("tokens", "segment_ids")}
+    return {**shapes, "loss_weights": ((B, 2, L), np.float32), "reference": ((B, 2), np.float32)}
+
+  def configure(self, cfg) -> "DPO":
+    if "preference" not in cfg:
+      raise UserError(
+        "The dpo task reads cfg.preference.beta: add `c.preference = preference.config()` "
+        "(nnx_zoo.common.tasks.preference)."
+      )
+    if cfg.data.format != "preference":
+      raise UserError(
+        "The dpo task trains on pairs of replies: set --config.data.format=preference (it is "
+        f"{cfg.data.format!r})."
+      )
+    return DPO(float(cfg.preference.beta))
+
+  def prepare(self, data, *, cfg, layout=None) -> "DPO":
+    """The reference model, ready for `complete`: the `init_from` weights placed on the mesh as
+    the params are; under LoRA (training adapters only) none, the base being the params
+    themselves with the adapters at zero."""
+    if not cfg.init_from:
+      raise UserError(
+        "The dpo task trains against a reference model, the weights it starts from: set "
+        "--config.init_from to an SFT run's workdir (or a converted checkpoint)."
+      )
+    graphdef = nnx.graphdef(models.abstract(cfg.model))
+    self._reference = None
+    if not (cfg.model.lora.rank and not cfg.model.lora.train):
+      graphdef, self._reference = weights.init_from_params(cfg, layout)
+    self._logps = jax.jit(lambda p, b: sequence_logps(nnx.merge(graphdef, p), b))
+    return self
+
+  def complete(self, batch, params):
+    """The batch with `reference` [B, 2]: the reference model's log-probabilities of its pairs
+    (a forward pass, placed as the batch is)."""
+    if not hasattr(self, "_logps"):
+      raise RuntimeError("DPO.complete before prepare: the trainer prepares the task first.")
+    if self._reference is None:  # LoRA: the base is the params with every adapter at zero
+      adapters, base = nnx.split_state(params, lora.LoRAParam, ...)
+      reference = nnx.merge_state(jax.tree.map(jnp.zeros_like, adapters), base)
+    else:
+      reference = self._reference
+    return {**batch, "reference": self._logps(reference, batch)}
+
+
+tasks.register(DPO())

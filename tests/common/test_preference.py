@@ -1,0 +1,136 @@
+"""The dpo task against the paper's formula in numpy (Rafailov et al., 2023, eq. 7), its
+held-out metrics, the reference log-probabilities `prepare` fills in, and its refusals."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from nnx_zoo.common import experiments, models, tasks
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub import weights
+from nnx_zoo.common.nn import lora
+from nnx_zoo.common.tasks import preference
+from nnx_zoo.common.train import trainer
+
+
+def numpy_logps(logits, tokens, weights):
+  """Sum over each reply of log softmax(logits)[next token], numpy."""
+  logits = logits.astype(np.float64)
+  top = logits.max(-1, keepdims=True)
+  logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+  picked = np.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+  return (picked * weights[:, 1:]).sum(-1)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  cfg = experiments.get_config("chat/shakespeare-dialogue-dpo:smoke", {"train.batch_size": "4"})
+  data = trainer.load_data(cfg)
+  batch = {k: np.array(v) for k, v in next(data.iterator).items()}
+  model = models.build(cfg.model, seed=0)
+  return cfg, data, batch, model
+
+
+def test_loss_and_rewards_equal_the_formula(setup):
+  cfg, _, batch, model = setup
+  beta = 0.25
+  batch = dict(batch, reference=np.array([[-90.0, -70.0], [-50, -51], [-10, -20], [-80, -80]],
+                                         np.float32))  # fmt: skip
+  task = preference.DPO(beta)
+  B, _, L = batch["tokens"].shape
+  tokens = batch["tokens"].reshape(2 * B, L)
+  logits = np.asarray(model(tokens[:, :-1]))  # one segment a row: no packing in pairs
+  logits = np.concatenate([logits, np.zeros_like(logits[:, :1])], axis=1)
+  pi = numpy_logps(logits, tokens, batch["loss_weights"].reshape(2 * B, L)).reshape(B, 2)
+  ref = batch["reference"].astype(np.float64)
+  margin = beta * ((pi[:, 0] - ref[:, 0]) - (pi[:, 1] - ref[:, 1]))
+  loss = -np.log(1 / (1 + np.exp(-margin)))
+  total, count = task.loss_sums(model, batch)
+  assert float(count) == B
+  np.testing.assert_allclose(float(total), loss.sum(), rtol=1e-5)
+  summary = task.summary({k: float(v) for k, v in task.eval_sums(model, batch).items()})
+  np.testing.assert_allclose(summary["chosen_reward"], beta * (pi[:, 0] - ref[:, 0]).mean(),
+                             rtol=1e-5, atol=1e-5)  # fmt: skip
+  np.testing.assert_allclose(summary["margin"], margin.mean(), rtol=1e-5, atol=1e-5)
+  assert summary["reward_accuracy"] == (margin > 0).mean()
+  assert summary["preference_accuracy"] == (pi[:, 0] > pi[:, 1]).mean()
+
+
+def test_pairs_keep_their_reply_weights_only(setup):
+  _, data, batch, _ = setup
+  w = batch["loss_weights"]  # [B, 2, L]: one run of ones, the final reply, on each side
+  for side in w.reshape(-1, w.shape[-1]):
+    on = np.flatnonzero(side)
+    assert len(on) and (np.diff(on) == 1).all()
+  # Both sides share the prompt: the tokens before the replies are the same.
+  first = [np.flatnonzero(w[i, 0])[0] for i in range(len(w))]
+  for i, f in enumerate(first):
+    np.testing.assert_array_equal(batch["tokens"][i, 0, :f], batch["tokens"][i, 1, :f])
+
+
+@pytest.mark.slow
+def test_reference_is_the_init_from_model_and_under_lora_the_base(tmp_path):
+  """`complete` adds the init_from model's log-probabilities; under LoRA, the base's (the params
+  with their adapters at zero), however far the adapters have moved."""
+  sft = experiments.get_config("chat/shakespeare-dialogue:smoke", {"train.steps": "1"})
+  trainer.train(sft, str(tmp_path / "sft"), progress=False)
+  overrides = {"train.batch_size": "4", "init_from": str(tmp_path / "sft")}
+  cfg = experiments.get_config("chat/shakespeare-dialogue-dpo:smoke", overrides)
+  data = trainer.load_data(cfg)
+  batch = {k: np.asarray(v) for k, v in next(data.iterator).items()}
+  graphdef, params = weights.restore_params(cfg, str(tmp_path / "sft"))[:2]
+  want = np.asarray(preference.sequence_logps(nnx.merge(graphdef, params), batch))
+  task = tasks.of(cfg).prepare(data, cfg=cfg)
+  fresh = nnx.state(models.build(cfg.model, seed=3), nnx.Param)  # not the reference
+  np.testing.assert_allclose(task.complete(batch, fresh)["reference"], want, rtol=1e-5)
+
+  lora_cfg = experiments.get_config(
+    "chat/shakespeare-dialogue-dpo:smoke", {**overrides, "model.lora.rank": "4"}
+  )
+  task = tasks.of(lora_cfg).prepare(data, cfg=lora_cfg)
+  assert task._reference is None  # no second copy of the base
+  loaded = weights.init_from_params(lora_cfg)[1]
+  adapters, base = nnx.split_state(loaded, lora.LoRAParam, ...)
+  moved = nnx.merge_state(jax.tree.map(lambda x: x + 0.5, adapters), base)
+  moved_logps = preference.sequence_logps(
+    nnx.merge(nnx.graphdef(models.abstract(lora_cfg.model)), moved), batch
+  )
+  assert np.abs(np.asarray(moved_logps) - want).max() > 0.1  # the adapters do move the policy
+  np.testing.assert_allclose(task.complete(batch, moved)["reference"], want, rtol=1e-5)
+
+
+def test_dpo_without_init_from_is_refused(setup):
+  cfg, data, _, _ = setup
+  with pytest.raises(UserError, match="init_from"):
+    tasks.of(cfg).prepare(data, cfg=cfg)
+
+
+def test_dpo_on_chat_data_is_refused():
+  with pytest.raises(UserError, match="data.format=preference"):
+    tasks.of(experiments.get_config("chat/shakespeare-dialogue-dpo:smoke", {"data.format": "chat"}))
+
+
+def test_identical_replies_refused(tmp_path):
+  import json
+
+  path = tmp_path / "pairs.jsonl"
+  record = {"prompt": [{"role": "user", "content": "hi"}], "chosen": "same", "rejected": "same"}
+  path.write_text(json.dumps(record) + "\n")
+  cfg = experiments.get_config(
+    "chat/shakespeare-dialogue-dpo:smoke",
+    {"data.kind": "files", "data.train_files": str(path), "data.eval_plays": ""},
+  )
+  with pytest.raises(UserError, match="same"):
+    trainer.load_data(cfg)
+
+
+def test_data_show_prints_each_pair_as_its_two_rows(setup):
+  from nnx_zoo.common.data import report
+
+  cfg = setup[0]
+  chosen, rejected = report.rows(cfg, count=2)
+  start = chosen["weights"].index(1.0)  # the reply's first target
+  assert chosen["inputs"][:start] == rejected["inputs"][:start]  # one prompt
+  assert chosen["targets"][start:] != rejected["targets"][start:]  # two replies
+  assert rejected["weights"].index(1.0) == start
