@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from nnx_zoo.common import experiments, models, parallel, tasks  # noqa: E402
-from nnx_zoo.common.nn import pipeline  # noqa: E402
+from nnx_zoo.common.nn import lora, pipeline  # noqa: E402
 from nnx_zoo.common.train import step as steps  # noqa: E402
 
 TASK = tasks.get("language_model")
@@ -39,6 +39,15 @@ CASES = {
   "p2 f2 t2 R2 M4": ("lm/shakespeare-char:smoke", 8, (2, 1, 2, 1, 1, 2), 2, 4, 16, {}),
   "p2 e2 d2 qwen3-moe": ("lm/qwen3-30b-a3b:smoke", 4, (2, 2, 1, 2, 1, 1), 1, 4, 16, {}),
   "p2 f2 d2 R2 gemma2": ("lm/gemma2-2b:smoke", 8, (2, 2, 2, 1, 1, 1), 2, 4, 16, {}),
+  "p2 f2 t2 R2 lora": (
+    "lm/shakespeare-char:smoke",
+    8,
+    (2, 1, 2, 1, 1, 2),
+    2,
+    4,
+    16,
+    {"model.lora.rank": "4", "model.lora.targets": "attn.*,mlp.*"},
+  ),
 }
 
 
@@ -90,7 +99,12 @@ def model_case(name):
   exp, layers, sizes, R, M, B, overrides = CASES[name]
   cfg = config(exp, layers, R, M, B, overrides)
   model = models.build(cfg.model, seed=0)
+  for path, b in nnx.to_flat_state(nnx.state(model, lora.LoRAParam)):
+    if path[-1] == "b":  # nonzero, so the adapters change the outputs and A gets a gradient
+      b[...] = 0.1 * jax.random.normal(jax.random.key(len(path)), b[...].shape)
   graphdef, params = nnx.split(model, nnx.Param)
+  # LoRA: the adapters' gradients, the base weights frozen (all of it without adapters).
+  trained, frozen = nnx.split_state(params, lora.trainable(cfg.model), ...)
   batch = make_batch(cfg, B)
   kw = {}
   if "drop_path" in name:  # every row's masks come from its index in the global batch
@@ -101,17 +115,20 @@ def model_case(name):
     ref_batch = {k: v[order] for k, v in batch.items()}
     ref_kw["micro_batches"] = M
   ref, ref_grads = jax.jit(
-    lambda p, b: steps.sums_and_grads(p, b, graphdef=graphdef, task=TASK, **ref_kw)
-  )(params, ref_batch)
+    lambda p, f, b: steps.sums_and_grads(p, b, graphdef=graphdef, task=TASK, frozen=f, **ref_kw)
+  )(trained, frozen, ref_batch)
   layout = parallel.experiment_layout(cfg, dict(zip(AXES, sizes, strict=True)))
   parallel.check_experiment(cfg, layout.sizes)
-  placed = jax.device_put(params, layout.shardings(layout.param_specs(params)))
+
+  def place(x):
+    return jax.device_put(x, layout.shardings(layout.param_specs(x)))
+
   pipeline.FILL = float("nan") if "nan" in name else 0.0
   got, got_grads = jax.jit(
-    lambda p, b: steps.sharded_sums_and_grads(
-      p, b, graphdef=graphdef, task=TASK, layout=layout, **kw
+    lambda p, f, b: steps.sharded_sums_and_grads(
+      p, b, graphdef=graphdef, task=TASK, layout=layout, frozen=f, **kw
     )
-  )(placed, steps.put_batch(batch, layout))
+  )(place(trained), place(frozen), steps.put_batch(batch, layout))
   return errors(ref, ref_grads, got, got_grads)
 
 

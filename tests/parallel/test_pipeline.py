@@ -136,6 +136,7 @@ MODEL_CASES = [
   "p2 f2 t2 R2 M4",
   "p2 e2 d2 qwen3-moe",
   "p2 f2 d2 R2 gemma2",
+  "p2 f2 t2 R2 lora",
 ]
 
 
@@ -151,12 +152,15 @@ def test_pipelined_loss_and_gradients_equal_one_device(model_results, case):
   """pN: stages; d, f, e, t: data, fsdp, expert, tensor; R repeats, M micro-batches. drop_path:
   stochastic depth at 0.5, the draws of one device; nan bubbles: the bubbles' activations start
   as NaN; qwen3-moe: its load balancing over each micro-batch's rows, against one device run in
-  the same slices; gemma2: a layer pattern of two."""
+  the same slices; gemma2: a layer pattern of two; lora: adapters on every projection, the
+  base weights frozen (stacked, in the stages too), whose small gradients differ from one
+  device's by 1.8e-5 on data 2 x fsdp 2 x tensor 2 without a pipeline as with one."""
   got = model_results[case]
+  tolerance = 5e-5 if "lora" in case else 1e-5
   assert got["finite"]
   assert got["loss"] < 1e-5
   assert all(v < 1e-5 for v in got["aux"].values()), got["aux"]
-  bad = {k: v for k, v in got["grads"].items() if v > 1e-5}
+  bad = {k: v for k, v in got["grads"].items() if v > tolerance}
   assert not bad
 
 
