@@ -341,54 +341,23 @@ def conversation_split(cfg, split: str, tokenizer) -> Rows | None:
   seq_len + 1] (chosen, rejected), the loss weights on the final reply only."""
   if cfg.format not in FORMATS:
     raise UserError(f"Unknown data.format {cfg.format!r}: use one of {', '.join(FORMATS)}.")
+  if cfg.loss_on not in ("assistant", "all"):
+    raise UserError(f"Unknown data.loss_on {cfg.loss_on!r}: use 'assistant' or 'all'.")
   records = _conversations(cfg, split)
   if not records:
     return None
   template, row_len = chat.template(cfg), cfg.seq_len + 1
-  what = f"{split} data"
   if cfg.format == "chat":
     conversations = [(where, chat.check_messages(messages, where)) for where, messages in records]
-    encoded = chat.encode_all(template, tokenizer, conversations, max_len=row_len, what=what)
-    if cfg.loss_on not in ("assistant", "all"):
-      raise UserError(f"Unknown data.loss_on {cfg.loss_on!r}: use 'assistant' or 'all'.")
-    if cfg.loss_on == "all" and split == "train":
+    encoded = chat.encode_all(
+      template, tokenizer, conversations, max_len=row_len, what=f"{split} data"
+    )
+    if cfg.loss_on == "all" and split == "train":  # the ablation: every token trains
       encoded.weights = [np.ones_like(w) for w in encoded.weights]
     packed = chat.pack(encoded.ids, encoded.weights, row_len)
   else:
-    sides = []
-    for where, record in records:
-      if not isinstance(record, dict) or not all(k in record for k in PREFERENCE_KEYS):
-        raise UserError(
-          f"{where}: a preference record needs {', '.join(PREFERENCE_KEYS)} (the prompt's "
-          "messages and the two replies)."
-        )
-      prompt = chat.check_messages(record["prompt"], f"{where} (prompt)")
-      chosen, rejected = (_reply(record[k], where, k) for k in ("chosen", "rejected"))
-      if chosen == rejected:
-        raise UserError(
-          f"{where}: the chosen and rejected replies are the same, so the pair prefers "
-          "nothing: drop it or fix the data."
-        )
-      sides += [(where, prompt + chosen), (where, prompt + rejected)]
-    ids, weights, dropped = [], [], 0
-    for i in range(0, len(sides), 2):  # both sides of a pair kept, or the pair dropped
-      pair = [chat.encode(template, tokenizer, m, where=w) for w, m in sides[i : i + 2]]
-      pair = [(t[:row_len], chat.final_turn(w)[:row_len]) for t, w in pair]
-      if not all(w.any() for _, w in pair):
-        dropped += 1
-        continue
-      for t, w in pair:
-        ids.append(t)
-        weights.append(w)
-    chat.check_weights(weights, what)
-    encoded = chat.Encoded(ids, weights, dropped)
-    n = len(ids) // 2
-    packed = {k: np.zeros((n, 2, row_len), np.float32 if k == "loss_weights" else np.int32)
-              for k in ("tokens", "segment_ids", "loss_weights")}  # fmt: skip
-    for j, (t, w) in enumerate(zip(ids, weights, strict=True)):
-      at = divmod(j, 2)
-      packed["tokens"][at][: len(t)], packed["segment_ids"][at][: len(t)] = t, 1
-      packed["loss_weights"][at][: len(t)] = w
+    encoded = _encode_pairs(records, template, tokenizer, row_len, f"{split} data")
+    packed = _pair_rows(encoded, row_len)
   if encoded.dropped:
     files.warn(
       f"{encoded.dropped} {cfg.format} records of the {split} data have no assistant token "
@@ -397,6 +366,52 @@ def conversation_split(cfg, split: str, tokenizer) -> Rows | None:
   if len(packed["tokens"]) == 0:
     raise UserError(f"The {split} data has no {cfg.format} record left: raise data.seq_len.")
   return Rows(packed, f"{cfg.kind}:{cfg.format}:{split}:{cfg.seq_len}")
+
+
+def _encode_pairs(records, template, tokenizer, row_len: int, what: str) -> chat.Encoded:
+  """Each pair's two conversations (prompt + chosen, prompt + rejected) encoded, chosen first,
+  cut to `row_len`, the weights on the final reply only; a pair with a side left without a
+  reply token dropped whole."""
+  out = chat.Encoded([], [])
+  for where, record in records:
+    if not isinstance(record, dict) or not all(k in record for k in PREFERENCE_KEYS):
+      raise UserError(
+        f"{where}: a preference record needs {', '.join(PREFERENCE_KEYS)} (the prompt's "
+        "messages and the two replies)."
+      )
+    prompt = chat.check_messages(record["prompt"], f"{where} (prompt)")
+    chosen, rejected = (_reply(record[k], where, k) for k in ("chosen", "rejected"))
+    if chosen == rejected:
+      raise UserError(
+        f"{where}: the chosen and rejected replies are the same, so the pair prefers nothing: "
+        "drop it or fix the data."
+      )
+    pair = [chat.encode(template, tokenizer, prompt + reply, where=where)
+            for reply in (chosen, rejected)]  # fmt: skip
+    pair = [(ids[:row_len], chat.final_turn(weights)[:row_len]) for ids, weights in pair]
+    if not all(weights.any() for _, weights in pair):
+      out.dropped += 1
+      continue
+    for ids, weights in pair:
+      out.ids.append(ids)
+      out.weights.append(weights)
+  chat.check_weights(out.weights, what)
+  return out
+
+
+def _pair_rows(encoded: chat.Encoded, row_len: int) -> dict:
+  """Encoded pairs as rows {"tokens", "segment_ids", "loss_weights"} [N, 2, row_len]."""
+  n = len(encoded.ids) // 2
+  rows = {
+    "tokens": np.zeros((n, 2, row_len), np.int32),
+    "segment_ids": np.zeros((n, 2, row_len), np.int32),
+    "loss_weights": np.zeros((n, 2, row_len), np.float32),
+  }
+  for j, (ids, weights) in enumerate(zip(encoded.ids, encoded.weights, strict=True)):
+    at = divmod(j, 2)  # (pair, side)
+    rows["tokens"][at][: len(ids)], rows["segment_ids"][at][: len(ids)] = ids, 1
+    rows["loss_weights"][at][: len(ids)] = weights
+  return rows
 
 
 PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
@@ -527,7 +542,8 @@ def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Dat
     rows = load_split(cfg.data, "train", tokenizer)
     iterator = train_iterator(rows, batch_size=batch_size, seed=cfg.seed, share=share)
   held_out = load_split(cfg.data, "eval", tokenizer)
-  return kinds.Data(iterator, held_out, eval_batches, cfg.data.seq_len)
+  pairs = 2 if cfg.data.format == "preference" else 1  # a row of preference data is two
+  return kinds.Data(iterator, held_out, eval_batches, pairs * cfg.data.seq_len)
 
 
 for _kind in KINDS:

@@ -9,10 +9,12 @@ would mean driving libespeak-ng's callback API through ctypes; the Debian packag
 `apt-get` and a subprocess.)
 
 Deterministic: utterance i of a split is drawn from (data.seed, split, i) alone, and espeak-ng
-synthesises the same samples for the same arguments. The held-out split is voices training
-never hears: every `heldout_every`-th variant (in every accent) is only ever used there.
-Generated audio is cached as int16 under ~/.cache/nnx-zoo/spoken-digits (`data.cache`), keyed
-by everything that makes it.
+synthesises the same samples for the same arguments. Every utterance's speech fits the window:
+one that would run past it is spoken again faster (`fit`), up to the fastest speed of
+`data.speed`, at which the window holds `max_digits` digits in every voice (`longest`). The
+held-out split is voices training never hears: every `heldout_every`-th variant (in every
+accent) is only ever used there. Generated audio is cached as int16 under
+~/.cache/nnx-zoo/spoken-digits (`data.cache`), keyed by everything that makes it.
 """
 
 import concurrent.futures
@@ -60,7 +62,8 @@ VARIANTS = (
 def config(**kw) -> ml_collections.ConfigDict:
   """The spoken-digits data: `num_train` / `num_eval` utterances of min_digits..max_digits
   digits, each by a voice (accent + variant) at a speed (words a minute) and pitch (0-99) drawn
-  uniformly from the ranges; `heldout_every`: every n-th variant is held out (the eval split's
+  uniformly from the ranges (an utterance whose speech would not fit the window is spoken
+  faster: `fit`); `heldout_every`: every n-th variant is held out (the eval split's
   voices); `seconds`: the audio window (cut beyond), `mels`: log-mel bins; augmentation of
   training audio, drawn anew each time an utterance is seen: played faster or slower by a factor
   drawn from `speed_perturb` (low, high), pitch and formants moving with it
@@ -150,29 +153,59 @@ def synthesize(u: dict) -> np.ndarray:
     return audio.read_wav(path)
 
 
+def speech_seconds(clip: np.ndarray) -> float:
+  """Seconds up to the last audible sample: espeak-ng ends every clip with ~0.15 s of silence,
+  which a window may cut."""
+  loud = np.flatnonzero(np.abs(clip) > 1e-3)
+  return (loud[-1] + 1 if len(loud) else 0) / audio.SAMPLE_RATE
+
+
+def fit(u: dict, seconds: float, fastest: int) -> tuple[np.ndarray, int]:
+  """The utterance's audio and speed: spoken at its drawn speed, or, where its speech would run
+  past the window, again at the speed that should fit it (never past `fastest`)."""
+  clip = synthesize(u)
+  speed = u["speed"]
+  while speech_seconds(clip) > seconds and speed < fastest:
+    # Duration falls as 1 / speed, less espeak-ng's fixed pauses: aim a little faster.
+    speed = min(fastest, int(np.ceil(speed * speech_seconds(clip) / seconds * 1.02)))
+    clip = synthesize({**u, "speed": speed})
+  return clip, speed
+
+
+def longest(cfg) -> str:
+  """The longest string the data draws, in its longest words: max_digits sevens. The window holds
+  max_digits digits at the fastest speed when this fits it in the slowest voice (a test checks)."""
+  return " ".join(["seven"] * cfg.max_digits)
+
+
 def _cache_path(cfg, split: str, items: list[dict]) -> str:
   root = cfg.cache or os.path.join(os.path.expanduser("~"), ".cache", "nnx-zoo", "spoken-digits")
   version = subprocess.run([espeak(), "--version"], capture_output=True, text=True).stdout
-  key = hashlib.sha1(json.dumps([version.strip(), items]).encode()).hexdigest()[:16]
+  made = [version.strip(), items, cfg.seconds, cfg.speed[1]]  # the window and the fastest speed
+  key = hashlib.sha1(json.dumps(made).encode()).hexdigest()[:16]
   return os.path.join(root, f"{split}-{len(items)}-{key}.npz")
 
 
 def load_audio(cfg, split: str, count: int | None = None) -> tuple[list[dict], list[np.ndarray]]:
-  """The split's utterances and their audio, synthesised once and then read from the cache."""
+  """The split's utterances (each with the speed it was spoken at) and their audio, synthesised
+  once and then read from the cache."""
   items = utterances(cfg, split, count)
   path = _cache_path(cfg, split, items)
   if os.path.isfile(path):
     with np.load(path) as f:
-      samples, ends = f["samples"], f["ends"]
+      samples, ends, speeds = f["samples"], f["ends"], f["speeds"]
   else:
     workers = min(4, os.cpu_count() or 1)
+    made = lambda u: fit(u, cfg.seconds, cfg.speed[1])  # noqa: E731
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # subprocesses: no GIL held
-      clips = list(pool.map(synthesize, items))
+      clips, speeds = zip(*pool.map(made, items), strict=True)
     ends = np.cumsum([len(c) for c in clips])
+    speeds = np.asarray(speeds, np.int32)
     samples = np.clip(np.round(np.concatenate(clips) * 32767), -32768, 32767).astype(np.int16)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with files.replacing(path) as tmp:  # a half-written cache is never read
-      np.savez(tmp, samples=samples, ends=ends)
+      np.savez(tmp, samples=samples, ends=ends, speeds=speeds)
+  items = [{**u, "speed": int(s)} for u, s in zip(items, speeds, strict=True)]
   starts = np.concatenate([[0], ends[:-1]])
   clips = [samples[a:b].astype(np.float32) / 32767 for a, b in zip(starts, ends, strict=True)]
   return items, clips
@@ -219,6 +252,7 @@ class Split:
   def __init__(self, cfg, split: str, count: int | None = None):
     self.items, self.clips = load_audio(cfg, split, count)
     self.texts = [u["text"] for u in self.items]
+    self.spoken = [speech_seconds(c) for c in self.clips]
     rows = [targets(u["digits"], target_len(cfg)) for u in self.items]
     self.targets = np.stack([r[0] for r in rows])
     self.target_segment_ids = np.stack([r[1] for r in rows])
@@ -262,9 +296,14 @@ def train_iterator(
 
   def draw(example, rng: np.random.Generator):
     i = example["clip"]
-    clip = audio.change_speed(source.clips[i], rng.uniform(*cfg.speed_perturb))
+    # Never slower, nor started later, than the window can hold the speech (long strings come
+    # close to filling it): the speed change works in hundredths (audio.change_speed).
+    said = source.spoken[i]
+    factor = max(rng.uniform(*cfg.speed_perturb), np.ceil(said / cfg.seconds * 100) / 100)
+    clip = audio.change_speed(source.clips[i], factor)
     power = np.mean(np.square(clip)) + 1e-12
-    delay = int(rng.uniform(0, cfg.max_delay) * audio.SAMPLE_RATE)
+    room = max(0.0, cfg.seconds - said / factor)
+    delay = int(rng.uniform(0, min(cfg.max_delay, room)) * audio.SAMPLE_RATE)
     clip = np.concatenate([np.zeros(delay, np.float32), clip])
     if cfg.noise_prob >= 1.0 or rng.uniform() < cfg.noise_prob:
       snr = rng.uniform(*cfg.snr_db)
@@ -326,24 +365,36 @@ def transcribe(model_or_split, features_BTC: np.ndarray, *, max_words: int) -> l
 
 
 def word_error_rate(model_or_split, source: Split, cfg, *, batch_size: int = 64) -> dict:
-  """Greedy transcripts of the held-out split against their texts: WER = word edits / words."""
-  errors = words = 0
+  """Greedy transcripts of the held-out split against their texts: WER = word edits / words,
+  over the split (`wer`) and over its strings of n digits (`wer_len{n}`)."""
+  errors, words = {}, {}
   for start in range(0, len(source), batch_size):
     got = transcribe(
       model_or_split, source.features[start : start + batch_size], max_words=cfg.max_digits
     )
     for hyp, ref in zip(got, source.texts[start : start + batch_size], strict=True):
-      errors += word_errors(hyp, ref)
-      words += len(ref.split())
-  return {"wer": errors / max(words, 1), "words": words}
+      n = len(ref.split())
+      errors[n] = errors.get(n, 0) + word_errors(hyp, ref)
+      words[n] = words.get(n, 0) + n
+  total = sum(words.values())
+  by_length = {f"wer_len{n}": errors[n] / words[n] for n in sorted(words)}
+  return {"wer": sum(errors.values()) / max(total, 1), "words": total, **by_length}
 
 
 # The trainer's data kind (common/data/kinds.py)
 
 
 def check(cfg):
-  """The model's vocabulary holds the spoken words' ids."""
+  """The model's vocabulary holds the spoken words' ids, and its decoder the longest transcript
+  (max_digits words and the end token)."""
   kinds.check_vocab(cfg, VOCAB_SIZE, "The spoken words use {ids} ids")
+  need, room = target_len(cfg.data), cfg.model.decoder_position.max_len
+  if room < need:
+    raise UserError(
+      f"data.max_digits={cfg.data.max_digits} makes transcripts of {need} tokens (the words and "
+      f"the end), longer than the decoder's {room} positions: set "
+      f"model.decoder_position.max_len={need} (whisper.config's max_target_len)."
+    )
 
 
 def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Data:

@@ -381,7 +381,8 @@ class MoE(nnx.Module):
     resolve_impl(cfg.impl)  # refuse an unknown one now
     self._impl = cfg.impl
     self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
-    self.norm_topk_prob, self.capacity_factor = cfg.norm_topk_prob, cfg.capacity_factor
+    self.norm_topk_prob = cfg.norm_topk_prob
+    self.capacity_factor = cfg.capacity_factor or None  # the config's 0: dropless
     self.aux_coef, self.z_coef = cfg.aux_coef, cfg.z_coef
     self.dtype = dtype
     E, D, F = cfg.num_experts, dim, cfg.hidden_dim
@@ -429,7 +430,7 @@ class MoE(nnx.Module):
 
     experts_A = experts_Mk.reshape(-1)
     order_A, sizes_E, rank_A = _sort_by_expert(experts_A, E)
-    if self.capacity_factor > 0:
+    if self.capacity_factor is not None:
       capacity = math.ceil(self.capacity_factor * B * T * k / E)
       weights_Mk = jnp.where((rank_A < capacity).reshape(B * T, k), weights_Mk, 0.0)
     weights_Mk = weights_Mk.astype(self.dtype)

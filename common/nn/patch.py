@@ -44,6 +44,12 @@ def patches(images_BHWC: jax.Array, patch: int) -> jax.Array:
   return x.transpose(0, 1, 3, 5, 2, 4).reshape(B, h * w, C * patch * patch)
 
 
+def conv_kernel(window: int, dim: int, *, use_bias: bool, **kw) -> Linear:
+  """A convolution of `dim` filters as the shared Linear over flattened windows of `window`
+  values (kernel [window, D]): `PatchEmbed`'s and each of `ConvStem`'s."""
+  return Linear(window, dim, use_bias=use_bias, axes=(None, "D"), **kw)
+
+
 class PatchEmbed(nnx.Module):
   """Conv2d(C, D, kernel=p, stride=p) as a Linear over flattened patches; `use_bias`: ViT has
   one, CLIP's vision tower does not."""
@@ -61,16 +67,8 @@ class PatchEmbed(nnx.Module):
     rngs: nnx.Rngs,
   ):
     self.channels, self.patch = channels, patch
-    self.proj = Linear(
-      channels * patch * patch,
-      dim,
-      use_bias=use_bias,
-      axes=(None, "D"),
-      init_std=init_std,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      rngs=rngs,
-    )
+    kw = dict(init_std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.proj = conv_kernel(channels * patch * patch, dim, use_bias=use_bias, **kw)
 
   def __call__(self, images_BHWC: jax.Array) -> jax.Array:
     if images_BHWC.ndim != 4 or images_BHWC.shape[-1] != self.channels:
@@ -127,18 +125,10 @@ class ConvStem(nnx.Module):
   ):
     self.channels, self.width, self.strides = channels, width, tuple(strides)
     self.activation = mlp.activation(activation)  # the activations' one registry
+    kw = dict(init_std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.convs = nnx.List(
       [
-        Linear(
-          (channels if i == 0 else dim) * width,
-          dim,
-          use_bias=True,
-          axes=(None, "D"),
-          init_std=init_std,
-          dtype=dtype,
-          param_dtype=param_dtype,
-          rngs=rngs,
-        )
+        conv_kernel((channels if i == 0 else dim) * width, dim, use_bias=True, **kw)
         for i in range(len(self.strides))
       ]
     )

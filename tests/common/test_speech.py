@@ -1,6 +1,7 @@
 """The spoken-digits data: deterministic utterances, held-out voices disjoint from training,
-espeak-ng synthesis that repeats itself and is cached, batches, word error counting, and
-transcripts of audio longer than the window."""
+espeak-ng synthesis that repeats itself, fits the window and is cached, batches, word error
+counting (per string length), the recipe's room for its longest string, and transcripts of
+audio longer than the window."""
 
 import shutil
 
@@ -9,6 +10,7 @@ import pytest
 
 from nnx_zoo.common import experiments
 from nnx_zoo.common.data import audio, speech
+from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.tasks import speech as speech_task
 
 RECIPE = "speech/spoken-digits"
@@ -117,6 +119,60 @@ def test_word_errors_and_decode():
   assert speech.word_errors("one two two three", "one two three") == 1  # an insertion
   assert speech.word_errors("", "one two") == 2
   assert speech.decode([3 + 7, 3 + 2, speech.END, 3 + 9]) == "seven two"
+
+
+@needs_espeak
+def test_an_utterance_too_long_for_the_window_is_spoken_faster(tmp_path):
+  u = dict(text=" ".join(["seven"] * 7), voice="en-us+m1", speed=130, pitch=50)
+  slow = speech.synthesize(u)
+  assert speech.speech_seconds(slow) > 2.5
+  clip, speed = speech.fit(u, 2.5, 230)
+  assert 130 < speed < 230 and speech.speech_seconds(clip) <= 2.5
+  np.testing.assert_array_equal(clip, speech.synthesize({**u, "speed": speed}))
+  assert speech.fit({**u, "text": "seven"}, 2.5, 230)[1] == 130  # one that fits stays
+
+
+def test_word_error_rate_per_length(monkeypatch, tmp_path):
+  """`wer` over every word, `wer_len{n}` over the strings of n digits."""
+  held = speech.Split.__new__(speech.Split)
+  held.texts = ["one", "two three", "four five", "six"]
+  held.items = [{"text": t} for t in held.texts]
+  held.features = np.zeros((4, 1, 1), np.float32)
+  wrong = {"two three": "two two", "six": ""}
+  monkeypatch.setattr(
+    speech, "transcribe", lambda _, feats, max_words: [wrong.get(t, t) for t in held.texts]
+  )
+  got = speech.word_error_rate(None, held, small(tmp_path))
+  assert got == {"wer": 2 / 6, "words": 6, "wer_len1": 1 / 2, "wer_len2": 1 / 4}
+
+
+@needs_espeak
+@pytest.mark.slow
+def test_recipe_expresses_its_longest_string(tmp_path):
+  """The recipe's decoder, targets and decoding hold max_digits words and the end token, and the
+  longest string it draws, in its longest word, fits the window at the fastest speed in the
+  slowest voices (every variant of the slowest accent, the slowest variant in every accent:
+  measured with espeak-ng 1.51); one digit more does not."""
+  cfg = experiments.get_config(RECIPE)
+  data, n = cfg.data, cfg.data.max_digits
+  row, _ = speech.targets([9] * n, speech.target_len(data))
+  assert speech.decode(row) == " ".join(["nine"] * n) and row[-1] == speech.END
+  assert cfg.model.decoder_position.max_len >= speech.target_len(data)
+  speech.check(cfg)
+  longer = cfg.copy_and_resolve_references()
+  longer.data.max_digits = n + 1
+  with pytest.raises(UserError, match="decoder_position.max_len"):
+    speech.check(longer)
+  # zoo generate's decoder: the start token, then the words and the end token.
+  assert cfg.model.decoder_position.max_len - 1 + 1 >= n + 1
+  slowest = [f"en-gb-scotland+{v}" for v in speech.VARIANTS]
+  slowest += [f"{a}+Marco" for a in speech.ACCENTS]
+  said = lambda text, voice: speech.speech_seconds(  # noqa: E731
+    speech.synthesize(dict(text=text, voice=voice, speed=data.speed[1], pitch=data.pitch[1]))
+  )
+  longest = max(said(speech.longest(data), v) for v in slowest)
+  assert longest <= data.seconds, longest
+  assert said(" ".join(["seven"] * (n + 1)), "en-gb-scotland+Marco") > data.seconds
 
 
 @needs_espeak

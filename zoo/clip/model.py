@@ -67,6 +67,8 @@ def config(p: dict) -> ml_collections.ConfigDict:
       raise UserError(f"clip's {name} tower has no keys {unknown}; its keys: {list(known)}.")
   act, eps = p.get("activation", "quick_gelu"), p.get("norm_eps", 1e-5)
   end_token = p.get("end_token")
+  if end_token is not None and end_token < 0:  # -1 meant "none" before None did
+    raise UserError(f"clip end_token={end_token}: give a token id, or None to pool at the largest.")
   channels = vision.get("channels", 3)
   text_cfg = _tower(
     text,
