@@ -2,6 +2,7 @@
 
     python bench/parallel_meshes.py [EXP] [--steps N]
     python bench/parallel_meshes.py --context [--seq-len 2048]
+    python bench/parallel_meshes.py --pipeline
 
 Runs on 8 fake CPU devices (it sets XLA_FLAGS itself). Prints, per mesh (data, fsdp, expert,
 context, tensor): the median train-step time relative to the same step on the first mesh, the
@@ -9,7 +10,9 @@ bytes of params + optimizer state one device holds, and XLA's temp (activation) 
 device. On fake CPU devices the times show the cost of the collectives, not a speed-up: all 8
 "devices" share the same cores. `--context`: two rows of `--seq-len` tokens, one a device on
 `data=2`, then each row's tokens split 2, 4 ways over `context` (and fsdp beside it): the
-activations a device holds, side by side with context = 1.
+activations a device holds, side by side with context = 1. `--pipeline`: the model with 8
+layers, stacked and rematerialised, in 2, 4 and 8 stages (pipeline, data, fsdp, expert, context,
+tensor) beside FSDP alone over the 8 devices.
 """
 
 import argparse
@@ -36,6 +39,14 @@ MESHES = [
   (1, 1, 1, 1, 2),
   (1, 2, 1, 4, 1),
 ]
+# (pipeline, data, fsdp, expert, context, tensor): FSDP alone first
+PIPELINE_MESHES = [
+  (1, 1, 8, 1, 1, 1),
+  (2, 1, 4, 1, 1, 1),
+  (4, 1, 2, 1, 1, 1),
+  (4, 2, 1, 1, 1, 1),
+  (8, 1, 1, 1, 1, 1),
+]
 CONTEXT_MESHES = [(2, 1, 1, 1, 1), (2, 1, 1, 2, 1), (2, 1, 1, 4, 1), (1, 2, 1, 4, 1)]
 
 
@@ -45,7 +56,8 @@ def measure(cfg, sizes, rounds):
   n = int(np.prod(sizes))
   layout = None
   if n > 1:
-    layout = parallel.make_layout(dict(zip(mesh.AXES, sizes, strict=True)), jax.devices()[:n])
+    axes = mesh.AXES if len(sizes) == len(mesh.AXES) else mesh.AXES[1:]
+    layout = parallel.experiment_layout(cfg, dict(zip(axes, sizes, strict=True)), jax.devices()[:n])
   _, shardings = steps.placed_abstract_state(cfg, tx, layout)
   state = jax.device_put(state, shardings)
   rng = np.random.default_rng(0)
@@ -83,22 +95,24 @@ def main():
   p.add_argument("--batch-size", type=int, default=16)
   p.add_argument("--context", action="store_true", help="long rows split over mesh.context")
   p.add_argument("--seq-len", type=int, default=2048, help="the rows' length with --context")
+  p.add_argument("--pipeline", action="store_true", help="stages over mesh.pipeline vs FSDP")
   args = p.parse_args()
   overrides = {"train.batch_size": "2" if args.context else str(args.batch_size)}
   if args.context:
     overrides.update({"data.seq_len": str(args.seq_len), "model.remat": "full"})
+  if args.pipeline:
+    overrides.update({"model.num_layers": "8", "model.scan": "True", "model.remat": "full"})
   cfg = experiments.get_config(args.exp, overrides)
   if cfg.model.attention.num_kv_heads % 2:
     cfg.model.attention.num_kv_heads = 2  # so tensor=2 fits (the smoke GQA ratio is 4:1)
   print(
     f"{args.exp}, batch {cfg.train.batch_size} x {cfg.data.seq_len}, median of {args.steps} steps"
   )
-  print(
-    f"{'mesh (d,f,e,c,t)':>18} {'step ms':>8} {'vs first':>8} {'state KB/dev':>13} "
-    f"{'temp MB/dev':>12}"
-  )
+  axes = "mesh (p,d,f,e,c,t)" if args.pipeline else "mesh (d,f,e,c,t)"
+  print(f"{axes:>18} {'step ms':>8} {'vs first':>8} {'state KB/dev':>13} {'temp MB/dev':>12}")
   base = None
-  for sizes in CONTEXT_MESHES if args.context else MESHES:
+  meshes = CONTEXT_MESHES if args.context else PIPELINE_MESHES if args.pipeline else MESHES
+  for sizes in meshes:
     t, state_bytes, temp = measure(cfg, sizes, args.steps)
     base = base or t
     print(

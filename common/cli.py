@@ -239,7 +239,7 @@ def cmd_eval(args, overrides):
   # The experiment's mesh, as `zoo run` makes it (a row split over mesh.context stays split).
   sizes = mesh.resolve(cfg.mesh, jax.device_count())
   parallel.check_experiment(cfg, sizes)
-  layout = parallel.make_layout(sizes) if jax.device_count() > 1 else None
+  layout = parallel.experiment_layout(cfg, sizes) if jax.device_count() > 1 else None
   graphdef, params, step = weights.restore_params(cfg, args.workdir, layout)
   data = trainer.load_data(cfg, train=False, layout=layout)
   if data.eval is None:

@@ -154,6 +154,7 @@ ADDED_LATER = {
   "model.lora.train": "",
   "model.num_labels": 0,
   "model.scan": False,
+  "model.pipeline_repeats": 1,
   "model.drop_path": 0.0,
   "model.quant": "none",
   "model.quant_backward": True,

@@ -1,5 +1,6 @@
-"""The device mesh `(data, fsdp, expert, context, tensor)`: sizes from config, -1 meaning "the
-rest". `context` splits the sequence of a language model's rows (common/parallel.py)."""
+"""The device mesh `(pipeline, data, fsdp, expert, context, tensor)`: sizes from config, -1
+meaning "the rest". `context` splits the sequence of a language model's rows (common/parallel.py);
+`pipeline` the stacked layers into stages (common/nn/pipeline.py)."""
 
 import contextlib
 import math
@@ -11,14 +12,15 @@ from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import attention_impl
 
 # tensor last: the innermost axis gets the nearest devices (its collectives run every layer);
-# context next to it, for the same reason (its key/value gathers run every layer too).
-AXES = ("data", "fsdp", "expert", "context", "tensor")
+# context next to it, for the same reason (its key/value gathers run every layer too). pipeline
+# first: the farthest devices (across slices) only pass activations from stage to stage.
+AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
 
 
 def resolve(mesh_cfg, num_devices: int) -> dict[str, int]:
-  """{"data": d, "fsdp": f, "expert": e, "context": c, "tensor": t} whose product is
-  num_devices, or a UserError. An axis the config lacks (a config saved before it existed) has
-  size 1."""
+  """{"pipeline": p, "data": d, "fsdp": f, "expert": e, "context": c, "tensor": t} whose
+  product is num_devices, or a UserError. An axis the config lacks (a config saved before it
+  existed) has size 1."""
   sizes = {axis: int(mesh_cfg.get(axis, 1)) for axis in AXES}
   free = [a for a, s in sizes.items() if s == -1]
   bad = [a for a, s in sizes.items() if s == 0 or s < -1]

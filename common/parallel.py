@@ -53,8 +53,10 @@ RULES = {
   "V": "tensor",
   "E": "expert",  # an MoE layer's experts
 }
-# The leading dim of a stacked parameter (model.scan, common/nn/stacking.py): no mesh axis.
+# The leading dim of a stacked parameter (model.scan, common/nn/stacking.py): split over
+# `pipeline` (each stage holds its layers), no mesh axis without one.
 LAYERS = "L"
+PIPELINE = "pipeline"
 # The batch's rows are split over every axis but context and tensor (expert too: each device
 # routes its own tokens); the tokens of a language model's rows over context as well.
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -67,6 +69,12 @@ class Layout:
 
   mesh: jax.sharding.Mesh
   rules: dict
+  # mesh.pipeline > 1 (common/nn/pipeline.py): `model.pipeline_repeats` and
+  # `train.pipeline_microbatches` (0: 2 x stages); `gathered`: inside a stage, whose weights
+  # were gathered before its loop, `gather` has nothing left to do.
+  pipeline_repeats: int = 1
+  pipeline_microbatches: int = 0
+  gathered: bool = False
 
   @property
   def sizes(self) -> dict[str, int]:
@@ -101,7 +109,8 @@ class Layout:
   def param_spec(self, variable) -> P:
     axes = getattr(variable, "axes", None) or (None,) * variable.ndim
     if axes[:1] == (LAYERS,):  # stacked layers (model.scan): each layer placed as unstacked
-      return P(None, *self._spec(axes[1:], variable.ndim - 1))
+      stages = PIPELINE if self.sizes.get(PIPELINE, 1) > 1 else None
+      return P(stages, *self._spec(axes[1:], variable.ndim - 1))
     return self._spec(axes, variable.ndim)
 
   def _spec(self, axes, ndim: int) -> P:
@@ -132,11 +141,23 @@ class Layout:
     return P(BATCH_AXES, "context")
 
 
-def make_layout(sizes: dict[str, int], devices=None) -> Layout:
+def make_layout(
+  sizes: dict[str, int], devices=None, *, pipeline_repeats: int = 1, pipeline_microbatches: int = 0
+) -> Layout:
   devices = np.asarray(devices if devices is not None else jax.devices())
   shape = tuple(sizes.get(a, 1) for a in AXES)
   mesh = jax.sharding.Mesh(devices.reshape(shape), AXES)
-  return Layout(mesh, dict(RULES))
+  return Layout(mesh, dict(RULES), pipeline_repeats, pipeline_microbatches)
+
+
+def experiment_layout(cfg, sizes: dict[str, int], devices=None) -> Layout:
+  """`make_layout` with the pipeline settings of an experiment's config."""
+  return make_layout(
+    sizes,
+    devices,
+    pipeline_repeats=int(cfg.model.get("pipeline_repeats", 1)),
+    pipeline_microbatches=int(cfg.train.get("pipeline_microbatches", 0)),
+  )
 
 
 def process_block(layout: Layout, spec: P, shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -215,6 +236,8 @@ def check_fits(
 
 def check_experiment(cfg, sizes: dict[str, int]):
   """`check_fits` for an experiment's config: its model, batch, micro-batches and row length."""
+  from nnx_zoo.common.nn import pipeline  # it places what this module lays out
+
   check_fits(
     cfg.model,
     sizes,
@@ -222,6 +245,7 @@ def check_experiment(cfg, sizes: dict[str, int]):
     cfg.train.micro_batches,
     seq_len=cfg.data.get("seq_len", 0),
   )
+  pipeline.check(cfg, sizes)
 
 
 # What the shared layers call. Outside a sharded step there is no layout and all are no-ops.
@@ -317,7 +341,7 @@ def gather(w: jax.Array, axes) -> jax.Array:
   """The whole of each fsdp-sharded dim of weight `w` (over `fsdp`, and `expert` where the
   weight has no experts dim); tensor-split dims and an expert weight's experts stay local."""
   layout = current_layout()
-  if layout is None or w.ndim == 1:
+  if layout is None or w.ndim == 1 or layout.gathered:
     return w
   for dim, (name, split) in enumerate(zip(axes, layout.dim_axes(axes), strict=True)):
     if split and layout.stored_sharded(name):

@@ -347,8 +347,20 @@ def estimate_cost(cfg, layout, compiled) -> dict:
   layers = cfg.model.get("num_layers")
   if not layers or (not cfg.model.scan and cfg.train.micro_batches == 1):
     return _cost(compiled)
+  from nnx_zoo.common import parallel
+  from nnx_zoo.common.nn import pipeline
+
   period = len(cfg.model.layer_pattern) or 1
   micro = cfg.train.micro_batches
+  # Pipelined, the probes run on one stage's devices (no pipeline): every stage computes what is
+  # outside the layers in full, and its 1 / S of the layers stretched by the bubbles.
+  schedule = pipeline.schedule_of(layout)
+  stretch = 1.0
+  if schedule is not None:
+    sizes = {**layout.sizes, "pipeline": 1}
+    stage = np.asarray(layout.mesh.devices)[0].reshape(-1)
+    layout = parallel.make_layout(sizes, list(stage))
+    stretch = schedule.iterations / (schedule.microbatches * schedule.repeats) / schedule.stages
   probes = []
   for n in (period, 2 * period):
     probe = copy.deepcopy(cfg)
@@ -357,9 +369,43 @@ def estimate_cost(cfg, layout, compiled) -> dict:
     probe.train.micro_batches = 1
     probe.train.batch_size = cfg.train.batch_size // micro
     probes.append(_cost(_compile(probe, layout)[1]))
+  per_period = {k: probes[1][k] - probes[0][k] for k in probes[0]}
   return {
-    k: micro * (probes[0][k] + (layers / period - 1) * (probes[1][k] - probes[0][k]))
+    k: micro * (probes[0][k] - per_period[k] + layers / period * stretch * per_period[k])
     for k in probes[0]
+  }
+
+
+def pipeline_figures(cfg, layout, abstract) -> dict | None:
+  """Per device, for `mesh.pipeline` > 1 (None otherwise): the schedule, its bubble fraction,
+  the bytes of the stage's stacked weights, the inputs the iterations keep for the backward pass
+  (one micro-batch's activations each, and the delay line between repeats once), and the bytes
+  a stage sends on per step (its activations forward and their gradients back, in every
+  iteration of every `train.micro_batches` slice, and the last stage's outputs by psum)."""
+  from flax import nnx
+
+  from nnx_zoo.common.nn import pipeline, stacking
+
+  schedule = pipeline.schedule_of(layout)
+  if schedule is None:
+    return None
+  sizes = layout.sizes
+  rows = cfg.train.batch_size // (
+    sizes["data"] * sizes["fsdp"] * sizes["expert"] * cfg.train.micro_batches
+  )
+  dtype = np.dtype(cfg.model.get("dtype", "float32"))
+  micro_bytes = rows // schedule.microbatches * sequence(cfg) * cfg.model.dim * dtype.itemsize
+  delay = schedule.delay if schedule.repeats > 1 else 0
+  stacked = [v for k, v in nnx.to_flat_state(abstract.params) if stacking.STACKED in k]
+  return {
+    "stages": schedule.stages,
+    "repeats": schedule.repeats,
+    "microbatches": schedule.microbatches,
+    "bubble": schedule.bubble,
+    "stage_weight_bytes": _shard_bytes(stacked),
+    "saved_iteration_bytes": (schedule.iterations + delay) * micro_bytes,
+    "sent_bytes": cfg.train.micro_batches
+    * (2 * schedule.iterations * micro_bytes + 2 * schedule.microbatches * micro_bytes),
   }
 
 
@@ -380,7 +426,7 @@ def plan(cfg, topology: str | Topology, *, estimate_time: bool = True) -> dict:
   parallel.check_experiment(cfg, sizes)
   # Always a mesh, even of one device: without one the step would be placed on this machine's
   # own default device (the CPU), not on the slice.
-  layout = parallel.make_layout(sizes, devs)
+  layout = parallel.experiment_layout(cfg, sizes, devs)
   result = {
     "experiment": cfg.get("experiment", ""),
     "topology": topo.cloud_name,
@@ -399,6 +445,8 @@ def plan(cfg, topology: str | Topology, *, estimate_time: bool = True) -> dict:
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
   abstract = steps.placed_abstract_state(cfg, tx, layout)[0]
   result["param_bytes"] = _shard_bytes(abstract.params)
+  if (figures := pipeline_figures(cfg, layout, abstract)) is not None:
+    result["pipeline"] = figures
   result["optimizer_bytes"] = _shard_bytes(abstract.opt_state)
   state_bytes = result["param_bytes"] + result["optimizer_bytes"]
   if state_bytes > result["hbm_bytes"]:
@@ -541,6 +589,14 @@ def format(result: dict) -> str:  # noqa: A001 (the module's formatter, as `plan
     f"temporaries {_gib(r['temp_bytes'])}; total {_gib(r['total_bytes'])} of "
     f"{_gib(r['hbm_bytes'])} HBM: {'fits' if r['fits'] else 'DOES NOT FIT'}",
   ]
+  if "pipeline" in r:
+    p = r["pipeline"]
+    lines.append(
+      f"  pipeline       {p['stages']} stages x {p['repeats']} repeats, {p['microbatches']} "
+      f"micro-batches: bubble {p['bubble']:.1%}; stage weights {_gib(p['stage_weight_bytes'])}, "
+      f"saved iteration inputs {_gib(p['saved_iteration_bytes'])}, sent between stages "
+      f"{_gib(p['sent_bytes'])}/step"
+    )
   if "compiler_says" in r:
     lines.append(f"  compiler       {r['compiler_says']}")
   if "model_flops" in r:

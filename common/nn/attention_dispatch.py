@@ -13,7 +13,7 @@ import dataclasses
 import jax
 
 from nnx_zoo.common import parallel
-from nnx_zoo.common.nn import attention_impl, attention_ref
+from nnx_zoo.common.nn import attention_impl, attention_ref, pipeline
 from nnx_zoo.common.nn.attention_ring import attend_ring
 from nnx_zoo.kernels import flash_attention, tpu_attention
 
@@ -58,6 +58,7 @@ def attend(
     softcap=bool(softcap),
     bidirectional_window=bool(keys.window) and not keys.causal,
     device_kind=tpu_attention.target_device_kind(),
+    pipelined=pipeline.active(),
   )
   impl = attention_impl.choose(impl, call)
   if keys.kind == "context":  # "xla" against the whole row: its keys gathered, or round a ring

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import accumulate, aux, noise, stacking
+from nnx_zoo.common.nn import accumulate, aux, noise, pipeline, stacking
 
 # none: keep every activation; full: keep only each block's input and recompute the rest;
 # save_dots: keep the matmul outputs (cheap to store, dear to recompute), recompute the rest.
@@ -26,7 +26,8 @@ REMAT = {
 # Config keys that change how a model is computed, not what it is (nor its parameters' values): a
 # run resumes, and a checkpoint loads, whatever they were when it was saved (or if it predates
 # them). model.scan stores the layers stacked: checkpoints convert at restore (`stacking.relayout`).
-LEVERS = ("model.remat", "model.scan")
+# model.pipeline_repeats only orders the stages' work (common/nn/pipeline.py).
+LEVERS = ("model.remat", "model.scan", "model.pipeline_repeats")
 
 
 def run_blocks(
@@ -65,6 +66,8 @@ def run_blocks(
   """
   if remat not in REMAT:
     raise UserError(f"Unknown model.remat {remat!r}: use one of {sorted(REMAT)}.")
+  if stacked is None and cache is None and pipeline.active():
+    raise UserError("mesh.pipeline splits the stacked layers of model.scan: set model.scan=True.")
 
   def layer_kwargs(i: int) -> dict:
     return kwargs if per_slot is None else {**kwargs, **per_slot[i % period]}
@@ -74,6 +77,19 @@ def run_blocks(
   if stacked is not None:
     scanned = stacking.num_stacked(stacked) * period
     num_layers = scanned + len(blocks)
+    if cache is None and pipeline.active():  # the stacked layers in stages (mesh.pipeline)
+      x = pipeline.run(
+        stacked,
+        x,
+        rest=blocks,
+        # Each iteration of the schedule is rematerialised (its input kept) whatever the policy.
+        policy=REMAT[remat] or REMAT["full"],
+        period=period,
+        per_slot=per_slot,
+        stream=stream,
+        kwargs=kwargs,
+      )
+      return x, None
     if cache is None:
       x = _scan_blocks(
         stacked,

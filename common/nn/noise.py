@@ -55,6 +55,21 @@ def stack() -> int | None:
 
 
 @contextlib.contextmanager
+def rows(rows_B: jax.Array):
+  """Within it, the draws are those of the rows `rows_B` (their global indices): a pipeline's
+  micro-batch, run by a stage while the step draws for all of the device's rows."""
+  draws = step_context.current().draws
+  if draws is None:
+    yield
+    return
+  saved, draws.rows_B = draws.rows_B, rows_B
+  try:
+    yield
+  finally:
+    draws.rows_B = saved
+
+
+@contextlib.contextmanager
 def layer(stack_id: int | None, i, num_layers: int):
   """Runs layer `i` (an int, or traced in a scan) of `num_layers` of stream `stack_id`."""
   draws = step_context.current().draws

@@ -126,6 +126,9 @@ def config(
       "init_std": init_std,
       "remat": "none",  # or "full", "save_dots": recompute activations in the backward pass
       "scan": False,  # True: one compiled body (a repetition of the pattern) run by lax.scan
+      # mesh.pipeline > 1: the times the micro-batches go round the stages, each stage holding
+      # this many chunks of layers (circular, common/nn/pipeline.py).
+      "pipeline_repeats": 1,
       # The projections of attention and the MLP multiplied in "int8" or "fp8" (common/nn/quant.py),
       # and with quant_backward their gradients' products too.
       "quant": "none",

@@ -15,6 +15,9 @@ TRAIN = {
   "keep_checkpoints": 3,
   "nonfinite": "skip",  # a NaN/inf loss or gradient: skip that update and count it, or "stop"
   "micro_batches": 1,  # gradient accumulation: the batch run in this many slices
+  # mesh.pipeline > 1: each slice's rows cut into this many micro-batches that the stages pass
+  # on (common/nn/pipeline.py); 0: 2 x mesh.pipeline.
+  "pipeline_microbatches": 0,
   "loss_chunk": 0,  # > 0: the output head and loss run this many tokens at a time
   # > 0: keep an exponential moving average of the weights with this decay (e.g. 0.999), capped
   # early by (1 + step) / (10 + step); it is what is evaluated, checkpointed beside the params

@@ -20,7 +20,7 @@ from flax import nnx
 from nnx_zoo.common import config as config_lib
 from nnx_zoo.common import models, parallel, tasks
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import accumulate, aux, lora, noise
+from nnx_zoo.common.nn import accumulate, aux, lora, noise, pipeline
 from nnx_zoo.common.train import faults
 
 
@@ -152,8 +152,11 @@ def sharded_sums_and_grads(
   """`sums_and_grads` under shard_map: each device runs its batch shard (and, under
   `mesh.context`, its share of every row's tokens: `context_rows`) with its parameter shards;
   the shared layers gather and reduce (see common/parallel.py)."""
+  # mesh.pipeline: the stacked layers in the stages' order (a no-op unless model.pipeline_repeats
+  # > 1), their gradients back in the canonical order below.
+  params = pipeline.to_stages(params, layout)
   specs = layout.param_specs(params)
-  frozen = nnx.State({}) if frozen is None else frozen
+  frozen = nnx.State({}) if frozen is None else pipeline.to_stages(frozen, layout)
   batch, batch_specs = context_rows(batch, layout, task)
   # Each device draws the noise of its own rows (their indices in the global batch).
   rows = kw.pop("rows", None)
@@ -171,13 +174,14 @@ def sharded_sums_and_grads(
     }
     return sums, grads
 
-  return jax.shard_map(
+  sums, grads = jax.shard_map(
     local,
     mesh=layout.mesh,
     in_specs=(specs, layout.param_specs(frozen), batch_specs, rows_spec),
     out_specs=(parallel.P(), specs),
     check_vma=True,
   )(params, frozen, batch, rows)
+  return sums, pipeline.from_stages(grads, layout)
 
 
 def train_step(

@@ -32,7 +32,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   # Mesh and workdir: every misfit is refused before anything is written.
   sizes = mesh.resolve(cfg.mesh, jax.device_count())
   parallel.check_experiment(cfg, sizes)
-  layout = parallel.make_layout(sizes) if jax.device_count() > 1 else None
+  layout = parallel.experiment_layout(cfg, sizes) if jax.device_count() > 1 else None
   resuming = checkpoint.has_steps(workdir)
   init_from = None  # a new run from init_from: read and checked before anything is written
   if cfg.init_from and not resuming:

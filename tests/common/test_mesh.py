@@ -42,6 +42,7 @@ def test_resolve_with_an_expert_axis(sizes, devices, want):
 
 def test_mesh_config_has_every_axis_and_refuses_others():
   assert dict(mesh.config(fsdp=-1)) == {
+    "pipeline": 1,
     "data": 1,
     "fsdp": -1,
     "expert": 1,

@@ -371,3 +371,19 @@ def test_plan_recipes_plans_the_slice_a_recipe_is_written_for():
     assert bench.recipe_topology(exp, "v5p-128") == "v5p-128"
     rules = plan.config(exp, "v5e-128").mesh_rules
     assert mesh.pick_rule(rules, plan.parse_topology("v5e-128").hardware)[0] == "tpu-v5-litex128"
+
+
+@libtpu
+@pytest.mark.slow
+def test_plan_compiles_a_pipelined_step_and_reports_its_schedule(capsys):
+  """Pipeline 2 x fsdp 4 on a v5e-8: the plan's pipeline line (bubble (S - 1) / (M + S - 1) =
+  1 / 5 with M = 2 x stages, the stage's weights, what it keeps and sends), and a time estimate
+  whose layers are the stage's share stretched by the bubbles. "auto" attention runs the XLA
+  path inside the stages, where splash fails to lower (common/nn/attention_impl.py's RULES)."""
+  argv = ["plan", "lm/llama3-8b:smoke", "--topology", "v5e-8", "--config.mesh.pipeline=2"]
+  argv += ["--config.mesh.fsdp=4", "--config.model.scan=True", "--config.model.num_layers=4"]
+  argv += ["--config.train.batch_size=16"]
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  for text in ("pipeline=2", "2 stages x 1 repeats, 4 micro-batches: bubble 20.0%", "MFU"):
+    assert text in out, text

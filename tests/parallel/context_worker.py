@@ -100,7 +100,7 @@ def run(family: str, *, scan: bool, ring: bool) -> dict:
   }
   for sizes in [(1, 1, 1, 4, 1), (1, 2, 1, 4, 1)] if ring else MESHES[FAMILIES[family][1]]:
     n = int(np.prod(sizes))
-    layout = parallel.make_layout(dict(zip(mesh.AXES, sizes, strict=True)), jax.devices()[:n])
+    layout = parallel.make_layout(dict(zip(mesh.AXES[1:], sizes, strict=True)), jax.devices()[:n])
     placed = jax.device_put(params, layout.shardings(layout.param_specs(params)))
     fn = jax.jit(
       lambda p, b, layout=layout: steps.sharded_sums_and_grads(
