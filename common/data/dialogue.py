@@ -113,16 +113,24 @@ def _messages(play: str, heading: str, window: list[tuple[str, str]]) -> list[di
   return [system, *turns]
 
 
+def _speaker(system: str) -> str:
+  """The assistant's name in a conversation's system line (`... You are HORATIO.`)."""
+  return system.rsplit("You are ", 1)[-1].rstrip(".")
+
+
 def preference_pairs(play: str, text: str, *, budget: int, seed: int = 0) -> list[dict]:
   """{"prompt", "chosen", "rejected"} of each conversation: the prompt up to its last assistant
-  turn, the true reply, and a speech of about the same length (the closest of 8 drawn from the
-  play's other speeches, at least 10 characters) that is not the true one."""
+  turn, the true reply, and a speech of about the same length by another speaker (the closest
+  in length of 8 drawn from the play's speeches of at least 10 characters by others): a speech
+  that is some pair's true reply is another's rejected one only where someone else says it, so
+  what tells them apart is the scene and the speaker the system line names."""
   rng = random.Random(f"{seed}:{play}")
-  pool = [s for _, speeches in scenes(text) for _, s in speeches if len(s) >= 10]
+  pool = [(who, s) for _, speeches in scenes(text) for who, s in speeches if len(s) >= 10]
   pairs = []
   for messages in conversations(play, text, budget=budget):
-    chosen = messages[-1]["content"]
-    candidates = [s for s in rng.sample(pool, min(8, len(pool))) if s != chosen]
+    chosen, me = messages[-1]["content"], _speaker(messages[0]["content"])
+    drawn = rng.sample(pool, min(16, len(pool)))
+    candidates = [s for who, s in drawn if who != me and s != chosen][:8]
     if not candidates:
       continue
     rejected = min(candidates, key=lambda s: abs(len(s) - len(chosen)))

@@ -85,8 +85,14 @@ def test_preference_pairs():
   pairs = dialogue.preference_pairs("tempest", text, budget=288)
   conversations = dialogue.conversations("tempest", text, budget=288)
   assert len(pairs) == len(conversations)
+  said = {}
+  for _, speeches in dialogue.scenes(text):
+    for who, speech in speeches:
+      said.setdefault(speech, set()).add(who)
   for pair, messages in zip(pairs, conversations, strict=True):
     assert pair["prompt"] == messages[:-1] and pair["chosen"] == messages[-1]["content"]
     assert pair["rejected"] != pair["chosen"]
+    me = messages[0]["content"].rsplit("You are ", 1)[1].rstrip(".")
+    assert said[pair["rejected"]] - {me}, "the rejected reply is another speaker's"
   ratio = [len(p["rejected"]) / len(p["chosen"]) for p in pairs]
   assert sorted(ratio)[len(ratio) // 2] == pytest.approx(1.0, abs=0.2)
