@@ -75,8 +75,10 @@ def config(**kw) -> ml_collections.ConfigDict:
   drawn from `tempo_perturb` (pitch and formants stay; never slower than the window can hold
   the speech; audio.stretch_frames), then SpecAugment's masks on the log-mels: `time_masks`
   runs of up to `time_mask_frames` frames and `freq_masks` bands of up to `freq_mask_bins` bins
-  (audio.spec_augment; 0 masks: off); `cache`: the directory of generated audio
-  ("" = ~/.cache/nnx-zoo/spoken-digits)."""
+  (audio.spec_augment; 0 masks: off); `join_prob`: the share of training clips that are two
+  utterances joined by a pause of `join_pause` (low, high) s, their texts one transcript, where
+  both fit the window and max_digits (what `zoo generate --audio` hears in a window of a longer
+  recording); `cache`: the directory of generated audio ("" = ~/.cache/nnx-zoo/spoken-digits)."""
   c = dict(
     kind="spoken_digits",
     seed=0,
@@ -99,6 +101,8 @@ def config(**kw) -> ml_collections.ConfigDict:
     time_mask_frames=0,
     freq_masks=0,
     freq_mask_bins=0,
+    join_prob=0.0,
+    join_pause=(0.1, 0.5),
     cache="",
   )
   unknown = set(kw) - set(c)
@@ -296,11 +300,21 @@ def train_iterator(
 
   def draw(example, rng: np.random.Generator):
     i = example["clip"]
+    clip, said = source.clips[i], source.spoken[i]
+    target, target_ids = source.targets[i], source.target_segment_ids[i]
+    if cfg.join_prob > 0 and rng.uniform() < cfg.join_prob:
+      j, pause = int(rng.integers(len(source))), rng.uniform(*cfg.join_pause)
+      both = source.items[i]["digits"] + source.items[j]["digits"]
+      if len(both) <= cfg.max_digits and said + pause + source.spoken[j] <= cfg.seconds:
+        # The first one's speech, the pause, the second one (its leading silence and all).
+        gap = np.zeros(int(pause * audio.SAMPLE_RATE), np.float32)
+        clip = np.concatenate([clip[: int(said * audio.SAMPLE_RATE)], gap, source.clips[j]])
+        said += pause + source.spoken[j]
+        target, target_ids = targets(both, len(target))
     # Never slower, nor started later, than the window can hold the speech (long strings come
     # close to filling it): the speed change works in hundredths (audio.change_speed).
-    said = source.spoken[i]
     factor = max(rng.uniform(*cfg.speed_perturb), np.ceil(said / cfg.seconds * 100) / 100)
-    clip = audio.change_speed(source.clips[i], factor)
+    clip = audio.change_speed(clip, factor)
     power = np.mean(np.square(clip)) + 1e-12
     room = max(0.0, cfg.seconds - said / factor)
     delay = int(rng.uniform(0, min(cfg.max_delay, room)) * audio.SAMPLE_RATE)
@@ -327,8 +341,8 @@ def train_iterator(
     return {
       "inputs": inputs,
       "input_segment_ids": np.ones(frames, np.int32),
-      "targets": source.targets[i],
-      "target_segment_ids": source.target_segment_ids[i],
+      "targets": target,
+      "target_segment_ids": target_ids,
     }
 
   return pipeline.shuffled_batches(source, batch_size=batch_size, seed=seed, draw=draw, share=share)

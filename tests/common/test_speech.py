@@ -112,6 +112,22 @@ def test_noise_prob_leaves_a_share_of_the_clips_clean(tmp_path):
   assert any(half) and not all(half)
 
 
+@needs_espeak
+def test_joined_utterances(tmp_path):
+  """With join_prob 1 a clip is two utterances joined by a pause where both fit the window and
+  max_digits: its targets are the two strings' digits in order, never more than max_digits."""
+  cfg = small(tmp_path, num_train=8, seconds=3.0, max_delay=0.0, noise_prob=0.0, join_prob=1.0)
+  train = speech.load_split(cfg, "train")
+  got = []
+  for seed in range(3):
+    batch = next(speech.train_iterator(train, cfg, batch_size=8, seed=seed))
+    got += [speech.decode(row) for row in batch["targets"]]
+  pairs = {f"{a} {b}" for a in train.texts for b in train.texts}
+  assert all(g in pairs or g in train.texts for g in got), got
+  assert any(g in pairs and g not in train.texts for g in got), got
+  assert all(len(g.split()) <= cfg.max_digits for g in got)
+
+
 def test_word_errors_and_decode():
   assert speech.word_errors("one two three", "one two three") == 0
   assert speech.word_errors("one too three", "one two three") == 1  # a substitution
