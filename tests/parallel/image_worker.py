@@ -1,6 +1,7 @@
 """Run by tests/parallel/test_image_parallel.py in a subprocess with 8 fake CPU devices: the
-summed loss and gradients of one batch of an image task (ViT classification, CLIP's contrastive
-loss over the global batch) on several meshes and on one device, printed as JSON."""
+summed loss and gradients of one batch of a task whose rows are whole examples (ViT
+classification, CLIP's contrastive loss over the global batch, DiT, DPO's pairs) on several
+meshes and on one device, printed as JSON."""
 
 import json
 import os
@@ -24,7 +25,13 @@ def main(exp: str):
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
   graphdef, state = steps.init_state(cfg, tx)
   batch = {k: np.array(v) for k, v in next(trainer.load_data(cfg).iterator).items()}
-  batch["weights"][-3:] = 0.0  # padding rows: neither scored nor negatives, on any mesh
+  if "weights" in batch:  # images: padding rows, neither scored nor negatives, on any mesh
+    batch["weights"][-3:] = 0.0
+  else:  # DPO's pairs: three of padding, and reference log-probabilities (at random: they
+    # only shift each pair's margin)
+    for k in ("tokens", "segment_ids", "loss_weights"):
+      batch[k][-3:] = 0
+    batch["reference"] = np.random.default_rng(0).normal(-200, 5, (16, 2)).astype(np.float32)
 
   def flat(grads):
     return {"/".join(map(str, k)): np.asarray(v).tolist() for k, v in nnx.to_flat_state(grads)}
@@ -44,7 +51,7 @@ def main(exp: str):
         p, b, graphdef=graphdef, task=tasks.of(cfg), layout=layout
       )
     )
-    sums, grads = fn(params, steps.put_batch(batch, layout))
+    sums, grads = fn(params, steps.put_batch(batch, layout, tasks.of(cfg)))
     out[str(sizes)] = {
       "total": float(sums["total"]),
       "count": float(sums["count"]),

@@ -1,7 +1,8 @@
-"""The image tasks sharded equal one device (8 fake CPU devices, in a subprocess): ViT's
-classification loss, CLIP's contrastive loss, whose negatives are the global batch however
-it is split over data and fsdp (and the towers' heads and MLPs over tensor), and DiT's denoising
-loss (its class table of 11 rows sharded over D only)."""
+"""The tasks whose rows are whole examples, sharded, equal one device (8 fake CPU devices, in a
+subprocess): ViT's classification loss, CLIP's contrastive loss, whose negatives are the global
+batch however it is split over data and fsdp (and the towers' heads and MLPs over tensor), DiT's
+denoising loss (its class table of 11 rows sharded over D only), and DPO's loss, each pair's two
+replies on one device."""
 
 import json
 import os
@@ -15,7 +16,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multidevice, pytest.mark.slow]
 MESHES = ["(8, 1, 1)", "(2, 4, 1)", "(2, 2, 2)"]
-EXPERIMENTS = ["vision/vit-digits:smoke", "vision/clip-digits:smoke", "diffusion/dit-digits:smoke"]
+EXPERIMENTS = [
+  "vision/vit-digits:smoke",
+  "vision/clip-digits:smoke",
+  "diffusion/dit-digits:smoke",
+  "chat/shakespeare-dialogue-dpo:smoke",  # each pair's two replies on one device
+]
 
 
 @pytest.fixture(scope="module", params=EXPERIMENTS)
@@ -35,7 +41,7 @@ def results(request):
 @pytest.mark.parametrize("mesh", MESHES)
 def test_loss_and_gradients_equal_single_device(results, mesh):
   ref, got = results["single"], results[mesh]
-  assert got["count"] == ref["count"] == 13  # 16 rows, 3 of them padding
+  assert got["count"] == ref["count"] == 13  # 16 rows (or pairs), 3 of them padding
   assert got["total"] == pytest.approx(ref["total"], rel=1e-5)
   assert got["grads"].keys() == ref["grads"].keys()
   # A floor for each parameter: the key bias's gradient is zero but for rounding (softmax
