@@ -93,7 +93,14 @@ def test_a_device_attending_to_the_whole_row_equals_the_row_in_order(T, C, causa
 
 def test_mesh_has_a_context_axis():
   cfg = mesh.config(context=-1, tensor=2)
-  assert mesh.resolve(cfg, 8) == {"data": 1, "fsdp": 1, "expert": 1, "context": 4, "tensor": 2}
+  assert mesh.resolve(cfg, 8) == {
+    "pipeline": 1,
+    "data": 1,
+    "fsdp": 1,
+    "expert": 1,
+    "context": 4,
+    "tensor": 2,
+  }
   # A config saved before the axis existed: context 1.
   old = ml_collections.ConfigDict({"data": 2, "fsdp": 2, "expert": 1, "tensor": 2})
   assert mesh.resolve(old, 8)["context"] == 1

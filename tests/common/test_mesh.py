@@ -49,8 +49,8 @@ def test_mesh_config_has_every_axis_and_refuses_others():
     "context": 1,
     "tensor": 1,
   }
-  with pytest.raises(UserError, match="no axis 'pipeline'"):
-    mesh.config(pipeline=2)
+  with pytest.raises(UserError, match="no axis 'stage'"):
+    mesh.config(stage=2)
 
 
 @pytest.mark.parametrize(
