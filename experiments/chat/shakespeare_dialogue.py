@@ -5,8 +5,12 @@ Command:   zoo run chat/shakespeare-dialogue --workdir runs/dialogue
            (after `zoo run lm/shakespeare-char --workdir runs/shakespeare`, whose checkpoint it
             starts from; another: --config.init_from=DIR)
 Hardware:  a 2-core CPU.
-Time:      TIME
-Expected:  EXPECTED
+Time:      22 min on 2 CPU cores shared with other jobs (15.6 CPU-min: 300 steps of 16 rows of
+           385 bytes, start-up and two evaluations).
+Expected:  held-out loss 1.366 nats per byte on the assistant's tokens (46,891 of them; 1.419 at
+           step 150), against 4.418 for the lm/shakespeare-char checkpoint it starts from on the
+           same tokens and format, and 1.369 when trained on every token
+           (--config.data.loss_on=all, the same steps and time).
 Data:      every scene of the 39 training plays cut into conversations of about 288 characters
            (common/data/dialogue.py): a system line naming the play, the scene and the speaker
            who is the assistant, the others' speeches as the user's turns (named), the speaker's
