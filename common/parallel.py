@@ -141,6 +141,15 @@ class Layout:
     return P(BATCH_AXES, "context")
 
 
+def placement(tree, layout: "Layout | None"):
+  """The sharding of each leaf of a params (or train state) tree as the train step places it:
+  on `layout`'s mesh by each parameter's axes, or with no mesh all on the default device."""
+  if layout is None:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda _: device, tree)
+  return layout.shardings(layout.param_specs(tree))
+
+
 def make_layout(
   sizes: dict[str, int], devices=None, *, pipeline_repeats: int = 1, pipeline_microbatches: int = 0
 ) -> Layout:

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_zoo.common import config as config_lib
-from nnx_zoo.common import models, tasks
+from nnx_zoo.common import models, parallel, tasks
 from nnx_zoo.common.data import tokenizers as tokenizers_lib
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, generation, paths
@@ -147,11 +147,7 @@ def init_from_params(cfg, layout=None) -> tuple[nnx.GraphDef, nnx.State]:
   task's reference model), placed on `layout`'s mesh as the train step places params."""
   abstract = models.abstract(cfg.model)
   graphdef, abstract_params = nnx.graphdef(abstract), nnx.state(abstract, nnx.Param)
-  if layout is None:
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shardings = jax.tree.map(lambda _: device, abstract_params)
-  else:
-    shardings = layout.shardings(layout.param_specs(abstract_params))
+  shardings = parallel.placement(abstract_params, layout)
   fresh = jax.jit(
     lambda: nnx.state(models.build(cfg.model, seed=cfg.seed), nnx.Param), out_shardings=shardings
   )()

@@ -276,11 +276,7 @@ def placed_abstract_state(cfg, tx, layout: parallel.Layout | None):
   """The abstract train state with each leaf's sharding, and those shardings (one device:
   everything on the default device)."""
   abstract = abstract_state(cfg, tx)
-  if layout is None:
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shardings = jax.tree.map(lambda _: device, abstract)
-  else:
-    shardings = layout.shardings(layout.param_specs(abstract))
+  shardings = parallel.placement(abstract, layout)
   placed = jax.tree.map(
     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
   )
