@@ -1,6 +1,7 @@
 """Tokenizers behind one small interface: bytes, Hugging Face `tokenizers` JSON, GPT-2 BPE files
 and sentencepiece models. Chosen by `data.tokenizer.kind`."""
 
+import functools
 import hashlib
 import importlib.resources
 import json
@@ -64,9 +65,12 @@ class ByteTokenizer(Tokenizer):
     return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
   def encode_chat(self, text):
-    ids = self.encode(text)
-    first_byte = np.cumsum([0] + [len(c.encode("utf-8")) for c in text[:-1]])
-    return ids, lambda i: int(first_byte[i]) if 0 <= i < len(text) else None
+    # Each character's first byte, worked out only if asked for (a template with generation
+    # marks): the unmarked path encodes every prefix and never reads them.
+    first_byte = functools.cache(
+      lambda: np.cumsum([0] + [len(c.encode("utf-8")) for c in text[:-1]])
+    )
+    return self.encode(text), lambda i: int(first_byte()[i]) if 0 <= i < len(text) else None
 
   def encode_flat(self, texts):  # one join and one buffer for the whole batch
     encoded = [t.encode("utf-8") for t in texts]
