@@ -58,22 +58,21 @@ class DPO(tasks.Task):
   def __init__(self, beta: float | None = None):
     self.beta = beta
 
-  def _terms(self, model, batch, beta):
+  def _terms(self, model, batch):
     policy = sequence_logps(model, batch)
-    reference = batch["reference"]
-    rewards = beta * (policy - reference)  # [B, 2]
+    rewards = self.beta * (policy - batch["reference"])  # [B, 2]
     margin = rewards[:, 0] - rewards[:, 1]
     pairs = (jnp.sum(batch["loss_weights"], axis=(1, 2)) > 0).astype(jnp.float32)  # not padding
     return policy, rewards, margin, pairs
 
-  def loss_sums(self, model, batch, *, loss_chunk=0, beta=None):
+  def loss_sums(self, model, batch, *, loss_chunk=0):
     if loss_chunk:
       raise UserError("The dpo task sums each reply's log-probability: set train.loss_chunk=0.")
-    _, _, margin, pairs = self._terms(model, batch, self.beta if beta is None else beta)
+    _, _, margin, pairs = self._terms(model, batch)
     return jnp.sum(-jax.nn.log_sigmoid(margin) * pairs), jnp.sum(pairs)
 
   def eval_sums(self, model, batch, *, prompts=None):
-    policy, rewards, margin, pairs = self._terms(model, batch, self.beta)
+    policy, rewards, margin, pairs = self._terms(model, batch)
     return {
       "total": jnp.sum(-jax.nn.log_sigmoid(margin) * pairs),
       "count": jnp.sum(pairs),
