@@ -17,6 +17,12 @@ _SPEAKER = re.compile(r"^([A-Z][A-Za-z'\- ]{0,30}?)\.$")
 _SMALL = {"of", "the", "and", "a", "in"}
 
 
+def budget(seq_len: int) -> int:
+  """Characters of speech a conversation aims at for rows of `seq_len` tokens (bytes): three
+  quarters of them, the chat template's tags and the system line filling the rest."""
+  return seq_len * 3 // 4
+
+
 def title(play: str) -> str:
   """The play's name from its file stem: `merry_wives_of_windsor` -> `Merry Wives of Windsor`,
   `henry_iv_part_1` -> `Henry IV Part 1`."""

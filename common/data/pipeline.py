@@ -302,7 +302,7 @@ def _conversations(cfg, split: str) -> list[tuple[str, object]]:
     held_out = _plays(cfg.eval_plays, "eval_plays", plays)
     train = _plays(cfg.train_plays, "train_plays", plays) or [p for p in plays if p not in held_out]
     chosen = held_out if split == "eval" else train
-    budget = cfg.seq_len * 3 // 4  # characters of speech: the template's tags fill the rest
+    budget = dialogue.budget(cfg.seq_len)
     make = dialogue.conversations if cfg.format == "chat" else dialogue.preference_pairs
     return [
       (f"{play} conversation {i}", record)

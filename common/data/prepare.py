@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from nnx_zoo.common import files
-from nnx_zoo.common.data import chat, sources, tokenizers
+from nnx_zoo.common.data import chat, dialogue, sources, tokenizers
 from nnx_zoo.common.errors import UserError
 
 FORMAT = "nnx-zoo prepared corpus 1"
@@ -117,14 +117,19 @@ def plan(cfg) -> list[dict]:
 # One source (in a worker process)
 
 
+def _split_of(rule: dict, name: str, index: int) -> str:
+  """The split of record `index` of source `name` under a {"split"} or {"fraction"} rule."""
+  if "split" in rule:
+    return rule["split"]
+  return "eval" if held_out(name, index, rule["fraction"]) else "train"
+
+
 def _split_documents(path: str, rule: dict, text_field: str):
   """(split, text) for each document of a source, by its rule."""
   name = os.path.basename(os.path.normpath(path))
   for index, text in enumerate(sources.documents(path, text_field=text_field)):
-    if "split" in rule:
-      yield rule["split"], text
-    elif "fraction" in rule:
-      yield ("eval" if held_out(name, index, rule["fraction"]) else "train"), text
+    if "tail" not in rule:
+      yield _split_of(rule, name, index), text
     else:  # "tail": the end of each text, cut at a line break (as pipeline._tail_split)
       cut = text.rfind("\n", 0, int(len(text) * (1 - rule["tail"]))) + 1
       yield "train", text[:cut]
@@ -177,8 +182,6 @@ class _ShardWriter:
 def _split_conversations(path: str, rule: dict, reading: dict):
   """(split, (where, messages)) for each conversation of a chat source: its records'
   `messages_field`, or (a play of the built-in texts) its scenes cut into dialogue."""
-  from nnx_zoo.common.data import dialogue
-
   name = os.path.basename(os.path.normpath(path))
   if "tail" in rule:
     raise UserError("Chat data is held out by source: set data.eval_plays or data.eval_files.")
@@ -191,11 +194,7 @@ def _split_conversations(path: str, rule: dict, reading: dict):
     records = (r[field] for r in sources.records(path, text_field=field))
   for index, messages in enumerate(records):
     where = f"{path} record {index + 1}"
-    if "split" in rule:
-      split = rule["split"]
-    else:
-      split = "eval" if held_out(name, index, rule["fraction"]) else "train"
-    yield split, (where, chat.check_messages(messages, where))
+    yield _split_of(rule, name, index), (where, chat.check_messages(messages, where))
 
 
 def _prepare_chat(task: dict, tokenizer, writers: dict):
@@ -294,7 +293,7 @@ def _reading(cfg) -> dict:
     "chat_template": template.source,
     "special": [list(p) for p in template.special],
     "messages_field": cfg.messages_field,
-    "budget": cfg.seq_len * 3 // 4,
+    "budget": dialogue.budget(cfg.seq_len),
   }
 
 

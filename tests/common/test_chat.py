@@ -278,7 +278,7 @@ def test_prepared_chat_shards_hold_the_startup_encoding(tmp_path):
   text = pipeline.read_shakespeare(["tempest"])[0]
   want = [
     chat.encode(template, tokenizer, m)
-    for m in dialogue.conversations("tempest", text, budget=cfg.data.seq_len * 3 // 4)
+    for m in dialogue.conversations("tempest", text, budget=dialogue.budget(cfg.data.seq_len))
   ]
   tokens, _, weights = split.window(np.array([0]), sum(len(i) for i, _ in want))
   np.testing.assert_array_equal(tokens.ravel(), np.concatenate([i for i, _ in want]))
