@@ -1,5 +1,8 @@
 """The dpo task against the paper's formula in numpy (Rafailov et al., 2023, eq. 7), its
-held-out metrics, the reference log-probabilities `prepare` fills in, and its refusals."""
+held-out metrics, a preference it learns, the reference log-probabilities `prepare` fills in,
+and its refusals."""
+
+import json
 
 import jax
 import numpy as np
@@ -112,8 +115,6 @@ def test_dpo_on_chat_data_is_refused():
 
 
 def test_identical_replies_refused(tmp_path):
-  import json
-
   path = tmp_path / "pairs.jsonl"
   record = {"prompt": [{"role": "user", "content": "hi"}], "chosen": "same", "rejected": "same"}
   path.write_text(json.dumps(record) + "\n")
@@ -134,3 +135,54 @@ def test_data_show_prints_each_pair_as_its_two_rows(setup):
   assert chosen["inputs"][:start] == rejected["inputs"][:start]  # one prompt
   assert chosen["targets"][start:] != rejected["targets"][start:]  # two replies
   assert rejected["weights"].index(1.0) == start
+
+
+def _echo_pairs(path, words):
+  """Pairs on a preference a tiny model can learn: the user says a word, the chosen reply
+  echoes it in lower case, the rejected one in capitals."""
+  with open(path, "w") as f:
+    for word in words:
+      record = {
+        "prompt": [{"role": "user", "content": f"echo {word}"}],
+        "chosen": word,
+        "rejected": word.upper(),
+      }
+      f.write(json.dumps(record) + "\n")
+
+
+@pytest.mark.slow
+def test_dpo_learns_a_preference_the_model_can_tell(tmp_path):
+  """Trained, the task does what DPO is for: from a model that prefers neither reply (one step
+  of the SFT smoke), the pairs of words it never saw go to the chosen reply, by the
+  reference-free preference accuracy and by the rewards."""
+  rng = np.random.default_rng(0)
+  words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 6)) for _ in range(80)]
+  _echo_pairs(tmp_path / "train.jsonl", words[:64])
+  _echo_pairs(tmp_path / "eval.jsonl", words[64:])
+  sft = experiments.get_config("chat/shakespeare-dialogue:smoke", {"train.steps": "1"})
+  trainer.train(sft, str(tmp_path / "sft"), progress=False)
+  overrides = {
+    "init_from": str(tmp_path / "sft"),
+    "data.kind": "files",
+    "data.train_files": str(tmp_path / "train.jsonl"),
+    "data.eval_files": str(tmp_path / "eval.jsonl"),
+    "data.eval_plays": "",
+    "data.seq_len": "64",
+    "optim.lr": "3e-3",
+    "train.steps": "24",
+    "train.batch_size": "8",
+    "train.eval_every": "24",
+    "train.checkpoint_every": "24",
+    "train.eval_batches": "0",
+  }
+  cfg = experiments.get_config("chat/shakespeare-dialogue-dpo:smoke", overrides)
+  data = trainer.load_data(cfg)
+  graphdef, params = weights.restore_params(cfg, str(tmp_path / "sft"))[:2]
+  before = trainer.evaluate(params, data, graphdef=graphdef, cfg=cfg)
+  trainer.train(cfg, str(tmp_path / "dpo"), progress=False)
+  with open(tmp_path / "dpo" / "metrics.jsonl") as f:
+    after = [r for r in map(json.loads, f) if r.get("split") == "eval"][-1]
+  assert after["pairs"] == before["pairs"] == 16
+  assert before["margin"] == 0 and before["loss"] == pytest.approx(np.log(2))  # its own reference
+  assert after["preference_accuracy"] == after["reward_accuracy"] == 1.0, after
+  assert after["margin"] > 0 and after["loss"] < 0.5 * np.log(2), after
