@@ -197,6 +197,14 @@ def sequence(cfg) -> int:
   return (m.image_size // m.patch) ** 2 if "image_size" in m and "patch" in m else 1
 
 
+def tokens(cfg) -> int:
+  """Tokens one step trains on: train.batch_size examples of the task's rows (a DPO pair is two
+  rows, `Task.rows_per_example`) of `sequence` tokens."""
+  from nnx_zoo.common import tasks
+
+  return cfg.train.batch_size * tasks.of(cfg).rows_per_example * sequence(cfg)
+
+
 def model_flops(cfg) -> tuple[float, str]:
   """Training FLOPs of one step by the usual count (PaLM, appendix B): 6 per parameter a token
   computes with per token for the matmuls (forward + backward; an MoE layer's experts count
@@ -210,13 +218,13 @@ def model_flops(cfg) -> tuple[float, str]:
   params = models.num_active_params(m)
   if "vocab_size" in m and "dim" in m and not m.get("tie_embeddings", False):
     params -= m.vocab_size * m.dim
-  tokens = cfg.train.batch_size * sequence(cfg)
-  flops = 6.0 * params * tokens
-  how = f"6 x {params:.3g} active params x {tokens:,} tokens"
+  n = tokens(cfg)
+  flops = 6.0 * params * n
+  how = f"6 x {params:.3g} active params x {n:,} tokens"
   att = m.get("attention")
   if att is not None and "num_layers" in m:
     context = min(sequence(cfg), att.window) if att.window else sequence(cfg)
-    flops += 12.0 * m.num_layers * att.num_heads * att.head_dim * context * tokens
+    flops += 12.0 * m.num_layers * att.num_heads * att.head_dim * context * n
     how += " + attention"
   return flops, how
 
@@ -243,7 +251,8 @@ def kernel_flops(cfg) -> tuple[float, str]:
   m = cfg.model
   if "attention" not in m or "num_layers" not in m:
     return 0.0, ""
-  T, B = sequence(cfg), cfg.train.batch_size
+  T = sequence(cfg)
+  B = tokens(cfg) // T  # rows
   per_pair = 4 + 14 + (4 if m.remat == "full" else 0)
   flops = 0.0
   for i in range(m.num_layers):
@@ -284,9 +293,8 @@ def int8_flops(cfg) -> tuple[float, str]:
     passes.append("its recomputation")
   if m.quant_backward:
     passes += ["input gradient", "weight gradient"]
-  tokens = cfg.train.batch_size * sequence(cfg)
   how = f"int8 products ({', '.join(passes)}) at the chip's int8 peak"
-  return 2.0 * len(passes) * weights * tokens, how
+  return 2.0 * len(passes) * weights * tokens(cfg), how
 
 
 _OOM = re.compile(
@@ -520,7 +528,7 @@ def roofline(cfg, topo: Topology, cost: dict) -> dict:
   seconds = max(compute, cost["bytes accessed"] / topo.chip.bandwidth)
   out["step_s"] = seconds if seconds > 0 else None
   if out["step_s"]:
-    out["tokens_per_s"] = cfg.train.batch_size * sequence(cfg) / seconds
+    out["tokens_per_s"] = tokens(cfg) / seconds
     out["mfu"] = model_flops(cfg)[0] / (seconds * topo.chips * topo.chip.peak)
   return out
 

@@ -35,6 +35,9 @@ class Task:
   """The interface every task implements (`name` and `loss_sums` at least)."""
 
   name: str = ""
+  # The model's rows in one example of the batch: a preference pair is two (`zoo plan` counts
+  # a step's tokens as train.batch_size x this x the row's length).
+  rows_per_example: int = 1
 
   def loss_sums(self, model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
     """The batch's summed training loss and the count it is the mean over."""

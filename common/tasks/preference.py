@@ -54,6 +54,7 @@ def sequence_logps(model, batch: dict) -> jax.Array:
 
 class DPO(tasks.Task):
   name = "dpo"
+  rows_per_example = 2  # the chosen and the rejected reply
 
   def __init__(self, beta: float | None = None):
     self.beta = beta

@@ -113,6 +113,18 @@ def test_model_flops_is_6_params_tokens_plus_attention():
   assert plan.model_flops(cfg)[0] == pytest.approx(6 * matmul_params * tokens + att * tokens)
 
 
+def test_a_preference_step_counts_both_replies():
+  """A DPO pair is two rows the model reads: the step's FLOPs and tokens are twice those of a
+  language model's batch of as many rows of the same length."""
+  from nnx_zoo.common import experiments
+
+  lm = experiments.get_config("chat/shakespeare-dialogue")
+  dpo = experiments.get_config("chat/shakespeare-dialogue-dpo")
+  assert dpo.train.batch_size == lm.train.batch_size and dpo.data.seq_len == lm.data.seq_len
+  assert plan.tokens(dpo) == 2 * plan.tokens(lm) == 2 * lm.train.batch_size * lm.data.seq_len
+  assert plan.model_flops(dpo)[0] == pytest.approx(2 * plan.model_flops(lm)[0])
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", [0, 1, 5, 40])
 def test_score_pairs_count_what_the_attention_mask_lets_through(causal, window):
