@@ -14,7 +14,7 @@ reference holds no optimizer state and is placed on the mesh as the params are (
 init_from weights); under LoRA it is the base model without a copy (the params with every
 adapter at zero: a fresh adapter changes nothing). Precomputing them once for every pair costs a
 forward pass per pair instead of per visit: bench/dpo_reference.py measured that as the dearer
-choice for a run that visits each pair about once (chat/shakespeare-dialogue-dpo: 0.35 of an
+choice for a run that visits each pair about once (chat/shakespeare-dialogue-dpo: a fifth of an
 epoch), so the zoo computes them per batch.
 
 Held out: the loss, the mean rewards, their margin, `reward_accuracy` (chosen reward above
