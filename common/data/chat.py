@@ -184,6 +184,39 @@ def final_turn(weights: np.ndarray) -> np.ndarray:
   return out
 
 
+PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
+
+
+def _reply(value, where: str, key: str) -> list[dict]:
+  """A preference record's `chosen` or `rejected`: a string, an assistant message, or a list
+  of messages (the reply's turns)."""
+  if isinstance(value, str):
+    value = [{"role": "assistant", "content": value}]
+  elif isinstance(value, dict):
+    value = [value]
+  return check_messages(value, f"{where} ({key})")
+
+
+def encode_pair(template, tokenizer, record, where: str) -> list[tuple[np.ndarray, np.ndarray]]:
+  """A preference record's two conversations (prompt + chosen, prompt + rejected), encoded whole:
+  [(ids, weights)] chosen first, the weights on the final reply only."""
+  if not isinstance(record, dict) or not all(k in record for k in PREFERENCE_KEYS):
+    raise UserError(
+      f"{where}: a preference record needs {', '.join(PREFERENCE_KEYS)} (the prompt's "
+      "messages and the two replies)."
+    )
+  prompt = check_messages(record["prompt"], f"{where} (prompt)")
+  chosen, rejected = (_reply(record[k], where, k) for k in ("chosen", "rejected"))
+  if chosen == rejected:
+    raise UserError(
+      f"{where}: the chosen and rejected replies are the same, so the pair prefers nothing: "
+      "drop it or fix the data."
+    )
+  pair = [encode(template, tokenizer, prompt + reply, where=where)
+          for reply in (chosen, rejected)]  # fmt: skip
+  return [(ids, final_turn(weights)) for ids, weights in pair]
+
+
 @dataclasses.dataclass
 class Encoded:
   """Conversations tokenized: each one's ids and weights, and how many were dropped."""

@@ -325,16 +325,6 @@ def _conversations(cfg, split: str) -> list[tuple[str, object]]:
   )
 
 
-def _reply(value, where: str, key: str) -> list[dict]:
-  """A preference record's `chosen` or `rejected`: a string, an assistant message, or a list
-  of messages (the reply's turns)."""
-  if isinstance(value, str):
-    value = [{"role": "assistant", "content": value}]
-  elif isinstance(value, dict):
-    value = [value]
-  return chat.check_messages(value, f"{where} ({key})")
-
-
 def conversation_split(cfg, split: str, tokenizer) -> Rows | None:
   """The rows of chat or preference data (common/data/chat.py): a chat split's conversations
   packed whole into rows with their loss weights; a preference split one pair a row, [N, 2,
@@ -369,26 +359,14 @@ def conversation_split(cfg, split: str, tokenizer) -> Rows | None:
 
 
 def _encode_pairs(records, template, tokenizer, row_len: int, what: str) -> chat.Encoded:
-  """Each pair's two conversations (prompt + chosen, prompt + rejected) encoded, chosen first,
-  cut to `row_len`, the weights on the final reply only; a pair with a side left without a
-  reply token dropped whole."""
+  """Each pair's two conversations (`encode_pair`) cut to `row_len`; a pair with a side left
+  without a reply token dropped whole."""
   out = chat.Encoded([], [])
   for where, record in records:
-    if not isinstance(record, dict) or not all(k in record for k in PREFERENCE_KEYS):
-      raise UserError(
-        f"{where}: a preference record needs {', '.join(PREFERENCE_KEYS)} (the prompt's "
-        "messages and the two replies)."
-      )
-    prompt = chat.check_messages(record["prompt"], f"{where} (prompt)")
-    chosen, rejected = (_reply(record[k], where, k) for k in ("chosen", "rejected"))
-    if chosen == rejected:
-      raise UserError(
-        f"{where}: the chosen and rejected replies are the same, so the pair prefers nothing: "
-        "drop it or fix the data."
-      )
-    pair = [chat.encode(template, tokenizer, prompt + reply, where=where)
-            for reply in (chosen, rejected)]  # fmt: skip
-    pair = [(ids[:row_len], chat.final_turn(weights)[:row_len]) for ids, weights in pair]
+    pair = [
+      (ids[:row_len], w[:row_len])
+      for ids, w in chat.encode_pair(template, tokenizer, record, where)
+    ]
     if not all(weights.any() for _, weights in pair):
       out.dropped += 1
       continue
@@ -412,9 +390,6 @@ def _pair_rows(encoded: chat.Encoded, row_len: int) -> dict:
     rows["tokens"][at][: len(ids)], rows["segment_ids"][at][: len(ids)] = ids, 1
     rows["loss_weights"][at][: len(ids)] = weights
   return rows
-
-
-PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
 
 
 def check_lengths(docs: list[str], docs_tokens: list[np.ndarray], cfg, split: str):

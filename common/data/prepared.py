@@ -36,6 +36,7 @@ class Split:
     dtype = np.dtype(self.manifest["dtype"])
     shards = os.path.join(path, "shards")
     missing, self.tokens, self.ends, self.weights = [], [], [], []
+    self.formats = set()  # how its sources were read: text, chat, preference
     for source in self.manifest["sources"]:
       entry_path = os.path.join(shards, f"{source['key']}.json")
       if not os.path.exists(entry_path):
@@ -43,6 +44,7 @@ class Split:
         continue
       with open(entry_path) as f:
         entry = json.load(f)
+      self.formats.add(entry.get("reading", {"format": "text"})["format"])
       counts = entry["splits"].get(split)
       if counts:  # np.memmap of an empty file fails: a split with no documents has no files
         tokens, ends = (os.path.join(shards, counts[f"{k}_file"]) for k in ("tokens", "ends"))
@@ -84,6 +86,14 @@ class Split:
       weights[here] = 1.0 if self.weights[s] is None else self.weights[s][local]
     return (*(x.reshape(-1, length) for x in (tokens, docs, weights)),)
 
+  def document(self, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens and loss weights of document `d` of the split (in reading order)."""
+    s = int(np.searchsorted(self.first_doc, d, side="right")) - 1
+    local = d - self.first_doc[s]
+    start, end = (self.ends[s][local - 1] if local else 0), self.ends[s][local]
+    weights = self.weights[s]
+    return self.tokens[s][start:end], (weights[start:end] if weights is not None else None)
+
 
 def _memmap(path: str, dtype, count: int) -> np.ndarray:
   size = os.path.getsize(path) if os.path.exists(path) else -1
@@ -124,6 +134,58 @@ class PackedRows:
 
   def __repr__(self):  # stable: grain keys the iterator state on it
     return f"PackedRows({self.split.path}:{self.split.split}, {self.row_len}, {self.num_rows})"
+
+
+class PairRows:
+  """A grain random-access source of a preference split's pairs: pair p is documents 2p (prompt +
+  chosen) and 2p + 1 (prompt + rejected), as `zoo data prepare` wrote them, each cut to
+  `row_len` tokens, one row [2, row_len] a pair, as `pipeline.conversation_split` makes at
+  start-up. A pair whose reply the cut leaves empty on a side stays, its weights zero there: the
+  dpo task counts only pairs with a reply token on both sides (start-up drops them instead)."""
+
+  def __init__(self, split: Split, row_len: int):
+    self.split, self.row_len = split, row_len
+    self.num_rows = split.num_documents // 2
+
+  def __len__(self):
+    return self.num_rows
+
+  def read(self, rows_R: np.ndarray) -> dict:
+    """The pairs of the indices `rows_R`: {"tokens", "segment_ids", "loss_weights"} [R, 2, L]."""
+    R, L = len(rows_R), self.row_len
+    batch = {
+      "tokens": np.zeros((R, 2, L), np.int32),
+      "segment_ids": np.zeros((R, 2, L), np.int32),
+      "loss_weights": np.zeros((R, 2, L), np.float32),
+    }
+    for r, pair in enumerate(np.asarray(rows_R, np.int64)):
+      for side in range(2):
+        tokens, weights = self.split.document(2 * int(pair) + side)
+        n = min(len(tokens), L)
+        batch["tokens"][r, side, :n] = tokens[:n]
+        batch["segment_ids"][r, side, :n] = 1
+        batch["loss_weights"][r, side, :n] = weights[:n]
+    return batch
+
+  def __getitem__(self, r):
+    return {k: v[0] for k, v in self.read(np.array([r])).items()}
+
+  def __repr__(self):  # stable: grain keys the iterator state on it
+    return f"PairRows({self.split.path}:{self.split.split}, {self.row_len}, {self.num_rows})"
+
+
+def rows(split: Split, row_len: int, *, fmt: str, pad_last: bool):
+  """A split's rows for a run reading `data.format=fmt`: its pairs for preference data, packed
+  rows otherwise; a directory prepared one way and read the other is refused."""
+  if split.formats and (fmt == "preference") != (split.formats == {"preference"}):
+    prepared = ", ".join(sorted(split.formats))
+    raise UserError(
+      f"{split.path} was prepared as {prepared} data, and this run reads data.format={fmt!r}: "
+      "prepare it again with this experiment, or set data.format to what it holds."
+    )
+  if fmt == "preference":
+    return PairRows(split, row_len)
+  return PackedRows(split, row_len, pad_last=pad_last)
 
 
 # Mixtures
@@ -300,19 +362,21 @@ def check(cfg):
 
 def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Data:
   parts = components(cfg.data)
-  row_len = cfg.data.seq_len + 1
+  row_len, fmt = cfg.data.seq_len + 1, cfg.data.get("format", "text")
   iterator = None
   if train:
-    rows = {p.name: PackedRows(Split(p.path, "train"), row_len, pad_last=False) for p in parts}
+    train_rows = {
+      p.name: rows(Split(p.path, "train"), row_len, fmt=fmt, pad_last=False) for p in parts
+    }
     iterator = train_iterator(
-      rows,
+      train_rows,
       {p.name: p.weight for p in parts},
       batch_size=batch_size,
       seed=cfg.seed,
       share=share,
       workers=cfg.data.workers,
     )
-  held_out = {p.name: PackedRows(Split(p.path, "eval"), row_len, pad_last=True) for p in parts}
+  held_out = {p.name: rows(Split(p.path, "eval"), row_len, fmt=fmt, pad_last=True) for p in parts}
   held_out = {name: rows for name, rows in held_out.items() if len(rows)}
   if not held_out:
     held_out = None

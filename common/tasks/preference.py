@@ -63,7 +63,10 @@ class DPO(tasks.Task):
     policy = sequence_logps(model, batch)
     rewards = self.beta * (policy - batch["reference"])  # [B, 2]
     margin = rewards[:, 0] - rewards[:, 1]
-    pairs = (jnp.sum(batch["loss_weights"], axis=(1, 2)) > 0).astype(jnp.float32)  # not padding
+    # A pair counts with a reply token on both sides: not padding, nor a pair whose reply the
+    # row's length cut away (prepared data keeps those; start-up drops them).
+    sides = jnp.sum(batch["loss_weights"], axis=2) > 0  # [B, 2]
+    pairs = jnp.all(sides, axis=1).astype(jnp.float32)
     return policy, rewards, margin, pairs
 
   def loss_sums(self, model, batch, *, loss_chunk=0):

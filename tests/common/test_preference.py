@@ -186,3 +186,34 @@ def test_dpo_learns_a_preference_the_model_can_tell(tmp_path):
   assert before["margin"] == 0 and before["loss"] == pytest.approx(np.log(2))  # its own reference
   assert after["preference_accuracy"] == after["reward_accuracy"] == 1.0, after
   assert after["margin"] > 0 and after["loss"] < 0.5 * np.log(2), after
+
+
+def test_prepared_pairs_are_the_startup_rows(tmp_path):
+  """`zoo data prepare` of preference data writes each pair as its two conversations, and the
+  prepared kind reads back the start-up rows (kind shakespeare, format preference) pair for
+  pair, those the row's length cuts away kept with no weight where start-up drops them; a
+  directory prepared as pairs is refused to a chat run."""
+  from nnx_zoo.common.data import pipeline, prepare, tokenizers
+
+  cfg = experiments.get_config(
+    "chat/shakespeare-dialogue-dpo:smoke", {"data.eval_plays": "two_gentlemen_of_verona"}
+  )
+  prepare.prepare(cfg.data, str(tmp_path), workers=1, progress=False)
+  startup = pipeline.load_split(cfg.data, "eval", tokenizers.load(cfg.data.tokenizer)).packed
+  run = experiments.get_config(
+    "chat/shakespeare-dialogue-dpo:smoke", {"data.kind": "prepared", "data.path": str(tmp_path)}
+  )
+  data = trainer.load_data(run)
+  got = data.eval.read(np.arange(len(data.eval)))
+  kept = (got["loss_weights"].sum(axis=2) > 0).all(axis=1)
+  assert 0 < len(startup["tokens"]) == kept.sum() < len(kept)  # some cut away at 128 bytes
+  for key in ("tokens", "segment_ids", "loss_weights"):
+    np.testing.assert_array_equal(got[key][kept], startup[key])
+  batch = next(data.iterator)
+  assert batch["tokens"].shape == (run.train.batch_size, 2, run.data.seq_len + 1)
+
+  chat_run = experiments.get_config(
+    "chat/shakespeare-dialogue:smoke", {"data.kind": "prepared", "data.path": str(tmp_path)}
+  )
+  with pytest.raises(UserError, match="prepared as preference"):
+    trainer.load_data(chat_run)
