@@ -60,6 +60,21 @@ def test_loss_and_rewards_equal_the_formula(setup):
   assert summary["preference_accuracy"] == (pi[:, 0] > pi[:, 1]).mean()
 
 
+def test_a_pair_counts_only_with_a_reply_on_both_sides(setup):
+  """A pair whose rejected reply was cut away (prepared data keeps it, its weights zero there)
+  is out of the loss and its count, as padding is."""
+  cfg, _, batch, model = setup
+  batch = dict(batch, reference=np.zeros((len(batch["tokens"]), 2), np.float32))
+  task = preference.DPO(0.1)
+  total, count = task.loss_sums(model, batch)
+  cut = dict(batch, loss_weights=batch["loss_weights"].copy())
+  cut["loss_weights"][0, 1] = 0
+  cut_total, cut_count = task.loss_sums(model, cut)
+  assert float(cut_count) == float(count) - 1
+  rest = {k: v[1:] for k, v in batch.items()}
+  np.testing.assert_allclose(float(cut_total), float(task.loss_sums(model, rest)[0]), rtol=1e-6)
+
+
 def test_pairs_keep_their_reply_weights_only(setup):
   _, data, batch, _ = setup
   w = batch["loss_weights"]  # [B, 2, L]: one run of ones, the final reply, on each side
