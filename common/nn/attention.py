@@ -137,7 +137,9 @@ class Attention(nnx.Module):
       )
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
-    self.causal, self.window, self.softcap = cfg.mask == "causal", cfg.window, cfg.softcap
+    # None for off (the config's 0): no sliding window, no logit soft-cap.
+    self.causal = cfg.mask == "causal"
+    self.window, self.softcap = cfg.window or None, cfg.softcap or None
     self.scale = logit_scale(cfg)
     self.impl = cfg.impl
     self.dtype = dtype

@@ -22,7 +22,7 @@ from nnx_zoo.kernels import flash_attention, tpu_attention
 class Keys:
   """The keys and values one call attends to, where they come from, and which of them each query
   may see: a key of the query's own segment (segment 0, padding, is nobody's), within `window`
-  of the query's index in the row (0: any) and, if `causal`, not after it. Cross-attention's
+  of the query's index in the row (None: any) and, if `causal`, not after it. Cross-attention's
   keys index another sequence: neither rule applies."""
 
   # "own": the queries' own tokens; "cache": a KV cache's slots, the new tokens written in;
@@ -37,12 +37,18 @@ class Keys:
   k_seg_BS: jax.Array
   segments: bool  # segment ids were given (packed rows), so the kernels take them too
   causal: bool = False
-  window: int = 0
+  window: int | None = None
   bias_BNTS: jax.Array | None = None  # a logit bias of the positions (ALiBi)
 
 
 def attend(
-  q_BTNH: jax.Array, keys: Keys, *, impl: str, context_impl: str, softcap: float, scale: float
+  q_BTNH: jax.Array,
+  keys: Keys,
+  *,
+  impl: str,
+  context_impl: str,
+  softcap: float | None,
+  scale: float,
 ) -> jax.Array:
   """[B, T, N, H]: softmax(q k^T * scale) v by the implementation that `attention.impl` (`impl`)
   and, under mesh.context, `attention.context_impl` give this call (`attention_impl.choose`)."""
@@ -82,8 +88,9 @@ def _xla(q_BTNH: jax.Array, keys: Keys, **kw) -> jax.Array:
   return attention_ref.attend(q_BTNH, k_BSKH, v_BSKH, **kw)
 
 
-def _flash(q_BTNH: jax.Array, keys: Keys, **kw) -> jax.Array:
-  kw.update(causal=keys.causal, window=keys.window)
+def _flash(q_BTNH: jax.Array, keys: Keys, *, softcap: float | None, scale: float) -> jax.Array:
+  # The kernels' own convention: 0 for no window and no soft-cap.
+  kw = dict(causal=keys.causal, window=keys.window or 0, softcap=softcap or 0.0, scale=scale)
   q_seg_BT, k_seg_BS = (keys.q_seg_BT, keys.k_seg_BS) if keys.segments else (None, None)
   if tpu_attention.target_platform() == "tpu":
     return tpu_attention.attention(q_BTNH, keys.k_BSKH, keys.v_BSKH, segment_ids_BT=q_seg_BT, **kw)
@@ -92,7 +99,7 @@ def _flash(q_BTNH: jax.Array, keys: Keys, **kw) -> jax.Array:
   )
 
 
-def _cudnn(q_BTNH: jax.Array, keys: Keys, *, softcap: float, scale: float) -> jax.Array:
+def _cudnn(q_BTNH: jax.Array, keys: Keys, *, softcap: float | None, scale: float) -> jax.Array:
   del softcap  # the table gives a soft-capped call "xla"
   seg_mask = None
   if keys.segments:

@@ -19,9 +19,9 @@ def make_mask(
   k_seg_BS: jax.Array,
   *,
   causal: bool,
-  window: int = 0,
+  window: int | None = None,
 ) -> jax.Array:
-  """[B, T, S] booleans: True where query t may attend to key s."""
+  """[B, T, S] booleans: True where query t may attend to key s (`window` None: any key)."""
   mask = q_seg_BT[:, :, None] == k_seg_BS[:, None, :]
   distance_TS = q_idx_T[:, None] - k_idx_S[None, :]
   if causal:
@@ -45,7 +45,7 @@ def attend(
   *,
   mask_BTS: jax.Array,
   bias_BNTS: jax.Array | None = None,
-  softcap: float = 0.0,
+  softcap: float | None = None,
   scale: float | None = None,
 ) -> jax.Array:
   """softmax(q k^T * scale + bias) v with grouped heads (scale None: 1 / sqrt(H)); the pure-jnp
@@ -78,7 +78,7 @@ QUERY_BLOCK = 128
 MAX_QUERY_BLOCKS = 8
 
 
-def key_range(t0: int, t1: int, S: int, *, causal: bool, window: int) -> tuple[int, int]:
+def key_range(t0: int, t1: int, S: int, *, causal: bool, window: int | None) -> tuple[int, int]:
   """[lo, hi): the keys that any of queries [t0, t1) may see under `make_mask`'s index rules
   (query t and key s at indices t and s, as when keys are the queries' own sequence)."""
   lo, hi = 0, S
@@ -98,9 +98,9 @@ def attend_in_blocks(
   *,
   mask_BTS: jax.Array,
   causal: bool,
-  window: int,
+  window: int | None,
   bias_BNTS: jax.Array | None = None,
-  softcap: float = 0.0,
+  softcap: float | None = None,
   scale: float | None = None,
 ) -> jax.Array:
   """`attend` for self-attention (key s is query s's own token), a block of query rows at a
@@ -143,9 +143,9 @@ def attend_gathered(
   q_seg_BT: jax.Array,
   k_seg_BS: jax.Array,
   causal: bool,
-  window: int,
+  window: int | None,
   bias_BNTS: jax.Array | None = None,
-  softcap: float = 0.0,
+  softcap: float | None = None,
   scale: float | None = None,
 ) -> jax.Array:
   """`attend` for queries at any indices `q_idx_T` of their row against keys at `k_idx_S` (this

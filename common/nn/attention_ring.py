@@ -25,8 +25,8 @@ def attend_ring(
   q_seg_BT: jax.Array,
   k_seg_BS: jax.Array,
   causal: bool,
-  window: int,
-  softcap: float = 0.0,
+  window: int | None,
+  softcap: float | None = None,
   scale: float | None = None,
 ) -> jax.Array:
   """`attention_ref.attend_gathered` without gathering: this device's queries against each

@@ -96,7 +96,7 @@ def test_scan_over_the_pattern_equals_no_scan(name, remat):
 def test_layers_get_their_kinds_window_and_theta():
   cfg, model = tiny(**PATTERNS["gemma3-pattern-3"])
   windows = [block.attn.window for block in model.blocks]
-  assert windows == [8, 8, 0, 8, 8, 0]
+  assert windows == [8, 8, None, 8, 8, None]  # None: no window
   local, glob = model.layer_positions[0], model.position
   assert model.layer_positions[2] is None  # the full layers use the model's RoPE
   assert local.inv_freq[1] > glob.inv_freq[1]  # theta 10 turns faster than 1e4
