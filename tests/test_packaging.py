@@ -36,10 +36,17 @@ def python(*args, cwd) -> subprocess.CompletedProcess:
   )
 
 
+def in_repository(path: str) -> bool:
+  """Is `path` a file or folder of this repository's tree? A virtual environment made inside
+  the checkout (README's `python3 -m venv .venv`) is not: what it installs is not ours."""
+  path = pathlib.Path(path).resolve()
+  return path.is_relative_to(ROOT) and not path.is_relative_to(pathlib.Path(sys.prefix).resolve())
+
+
 def ours(found) -> bool:
   """Is a find_spec result (origin, search locations) a file or folder of this repository?"""
   origin, locations = found
-  return any(pathlib.Path(p).resolve().is_relative_to(ROOT) for p in [origin or "/", *locations])
+  return any(in_repository(p) for p in [origin or "/", *locations])
 
 
 def test_the_wheel_holds_every_module_under_nnx_zoo_and_nothing_else(tmp_path):
@@ -114,4 +121,4 @@ def test_transformers_imports_beside_the_zoo_from_its_root():
   version, origin = python("-c", code, cwd=ROOT).stdout.split()
   if tuple(int(v) for v in version.split(".")[:2]) >= (5, 25):
     assert importlib.metadata.distribution("kernels")  # the dependency that clashed
-    assert not pathlib.Path(origin).resolve().is_relative_to(ROOT), origin
+    assert not in_repository(origin), origin
