@@ -167,6 +167,26 @@ class PairRows:
         batch["loss_weights"][r, side, :n] = weights[:n]
     return batch
 
+  def check(self, what: str, *, sample: int = 1024):
+    """Warns of the pairs (of the first `sample`) whose reply the row's length cuts away on a
+    side, which train on nothing; refuses a split where none of them keeps both replies."""
+    n = min(len(self), sample)
+    if n == 0:
+      return
+    weights = self.read(np.arange(n))["loss_weights"]
+    cut = int(np.sum(~(weights.sum(axis=2) > 0).all(axis=1)))
+    if cut == n:
+      raise UserError(
+        f"None of the first {n} pairs of {what} keeps a reply token on both sides in "
+        f"seq_len + 1 = {self.row_len} tokens: raise data.seq_len."
+      )
+    if cut:
+      of = f"{cut} of its {n} pairs" if n == len(self) else f"{cut} of its first {n} pairs"
+      files.warn(
+        f"{of} of {what} have a reply cut away in seq_len + 1 = {self.row_len} tokens: they "
+        "count for nothing (raise data.seq_len to keep them)."
+      )
+
   def __getitem__(self, r):
     return {k: v[0] for k, v in self.read(np.array([r])).items()}
 
@@ -184,7 +204,9 @@ def rows(split: Split, row_len: int, *, fmt: str, pad_last: bool):
       "prepare it again with this experiment, or set data.format to what it holds."
     )
   if fmt == "preference":
-    return PairRows(split, row_len)
+    pairs = PairRows(split, row_len)
+    pairs.check(f"{split.path}'s {split.split} split")
+    return pairs
   return PackedRows(split, row_len, pad_last=pad_last)
 
 

@@ -203,7 +203,7 @@ def test_dpo_learns_a_preference_the_model_can_tell(tmp_path):
   assert after["margin"] > 0 and after["loss"] < 0.5 * np.log(2), after
 
 
-def test_prepared_pairs_are_the_startup_rows(tmp_path):
+def test_prepared_pairs_are_the_startup_rows(tmp_path, capsys):
   """`zoo data prepare` of preference data writes each pair as its two conversations, and the
   prepared kind reads back the start-up rows (kind shakespeare, format preference) pair for
   pair, those the row's length cuts away kept with no weight where start-up drops them; a
@@ -219,6 +219,7 @@ def test_prepared_pairs_are_the_startup_rows(tmp_path):
     "chat/shakespeare-dialogue-dpo:smoke", {"data.kind": "prepared", "data.path": str(tmp_path)}
   )
   data = trainer.load_data(run)
+  assert "have a reply cut away in seq_len + 1 = 129" in capsys.readouterr().err
   got = data.eval.read(np.arange(len(data.eval)))
   kept = (got["loss_weights"].sum(axis=2) > 0).all(axis=1)
   assert 0 < len(startup["tokens"]) == kept.sum() < len(kept)  # some cut away at 128 bytes
@@ -232,3 +233,9 @@ def test_prepared_pairs_are_the_startup_rows(tmp_path):
   )
   with pytest.raises(UserError, match="prepared as preference"):
     trainer.load_data(chat_run)
+  short = experiments.get_config(
+    "chat/shakespeare-dialogue-dpo:smoke",
+    {"data.kind": "prepared", "data.path": str(tmp_path), "data.seq_len": "16"},
+  )
+  with pytest.raises(UserError, match="None of the first .* raise data.seq_len"):
+    trainer.load_data(short)
