@@ -347,7 +347,7 @@ def conversation_split(cfg, split: str, tokenizer) -> Rows | None:
     packed = chat.pack(encoded.ids, encoded.weights, row_len)
   else:
     encoded = _encode_pairs(records, template, tokenizer, row_len, f"{split} data")
-    packed = _pair_rows(encoded, row_len)
+    packed = pair_rows(encoded.ids, encoded.weights, row_len)
   if encoded.dropped:
     files.warn(
       f"{encoded.dropped} {cfg.format} records of the {split} data have no assistant token "
@@ -377,18 +377,19 @@ def _encode_pairs(records, template, tokenizer, row_len: int, what: str) -> chat
   return out
 
 
-def _pair_rows(encoded: chat.Encoded, row_len: int) -> dict:
-  """Encoded pairs as rows {"tokens", "segment_ids", "loss_weights"} [N, 2, row_len]."""
-  n = len(encoded.ids) // 2
+def pair_rows(ids: list[np.ndarray], weights: list[np.ndarray], row_len: int) -> dict:
+  """Pairs' conversations, chosen then rejected, each at most `row_len` tokens, as rows
+  {"tokens", "segment_ids", "loss_weights"} [N, 2, row_len] (the prepared kind's too)."""
+  n = len(ids) // 2
   rows = {
     "tokens": np.zeros((n, 2, row_len), np.int32),
     "segment_ids": np.zeros((n, 2, row_len), np.int32),
     "loss_weights": np.zeros((n, 2, row_len), np.float32),
   }
-  for j, (ids, weights) in enumerate(zip(encoded.ids, encoded.weights, strict=True)):
+  for j, (side_ids, side_weights) in enumerate(zip(ids, weights, strict=True)):
     at = divmod(j, 2)  # (pair, side)
-    rows["tokens"][at][: len(ids)], rows["segment_ids"][at][: len(ids)] = ids, 1
-    rows["loss_weights"][at][: len(ids)] = weights
+    rows["tokens"][at][: len(side_ids)], rows["segment_ids"][at][: len(side_ids)] = side_ids, 1
+    rows["loss_weights"][at][: len(side_ids)] = side_weights
   return rows
 
 

@@ -152,20 +152,9 @@ class PairRows:
 
   def read(self, rows_R: np.ndarray) -> dict:
     """The pairs of the indices `rows_R`: {"tokens", "segment_ids", "loss_weights"} [R, 2, L]."""
-    R, L = len(rows_R), self.row_len
-    batch = {
-      "tokens": np.zeros((R, 2, L), np.int32),
-      "segment_ids": np.zeros((R, 2, L), np.int32),
-      "loss_weights": np.zeros((R, 2, L), np.float32),
-    }
-    for r, pair in enumerate(np.asarray(rows_R, np.int64)):
-      for side in range(2):
-        tokens, weights = self.split.document(2 * int(pair) + side)
-        n = min(len(tokens), L)
-        batch["tokens"][r, side, :n] = tokens[:n]
-        batch["segment_ids"][r, side, :n] = 1
-        batch["loss_weights"][r, side, :n] = weights[:n]
-    return batch
+    L = self.row_len
+    docs = [self.split.document(2 * int(p) + side) for p in rows_R for side in (0, 1)]
+    return pipeline.pair_rows([t[:L] for t, _ in docs], [w[:L] for _, w in docs], L)
 
   def check(self, what: str, *, sample: int = 1024):
     """Warns of the pairs (of the first `sample`) whose reply the row's length cuts away on a
