@@ -197,12 +197,17 @@ def sequence(cfg) -> int:
   return (m.image_size // m.patch) ** 2 if "image_size" in m and "patch" in m else 1
 
 
-def tokens(cfg) -> int:
-  """Tokens one step trains on: train.batch_size examples of the task's rows (a DPO pair is two
-  rows, `Task.rows_per_example`) of `sequence` tokens."""
+def step_rows(cfg) -> int:
+  """Rows the model reads in one step: train.batch_size examples of the task's rows each (a DPO
+  pair is two, `Task.rows_per_example`)."""
   from nnx_zoo.common import tasks
 
-  return cfg.train.batch_size * tasks.of(cfg).rows_per_example * sequence(cfg)
+  return cfg.train.batch_size * tasks.of(cfg).rows_per_example
+
+
+def tokens(cfg) -> int:
+  """Tokens one step trains on: `step_rows` rows of `sequence` tokens."""
+  return step_rows(cfg) * sequence(cfg)
 
 
 def model_flops(cfg) -> tuple[float, str]:
@@ -251,8 +256,7 @@ def kernel_flops(cfg) -> tuple[float, str]:
   m = cfg.model
   if "attention" not in m or "num_layers" not in m:
     return 0.0, ""
-  T = sequence(cfg)
-  B = tokens(cfg) // T  # rows
+  T, B = sequence(cfg), step_rows(cfg)
   per_pair = 4 + 14 + (4 if m.remat == "full" else 0)
   flops = 0.0
   for i in range(m.num_layers):
