@@ -83,21 +83,14 @@ def model_judge(workdir: str, cfg, pairs: list[dict]) -> dict:
   for i, pair in enumerate(pairs):
     other = pairs[others[i]]["prompt"]
     rows += [encode(pair["prompt"], pair["chosen"]), encode(pair["prompt"], pair["rejected"])]
-    rows += [encode(other, pair["chosen"]), encode(other, pair["chosen"])]  # a pair of rows
+    rows.append(encode(other, pair["chosen"]))
+  rows += rows[-1:] * (len(rows) % 2)  # sequence_logps reads rows two at a time
   out = []
   for start in range(0, len(rows), 32):
     chunk = rows[start : start + 32]
-    batch = {
-      "tokens": np.zeros((len(chunk), row_len), np.int32),
-      "segment_ids": np.zeros((len(chunk), row_len), np.int32),
-      "loss_weights": np.zeros((len(chunk), row_len), np.float32),
-    }
-    for j, (ids, w) in enumerate(chunk):
-      batch["tokens"][j, : len(ids)], batch["segment_ids"][j, : len(ids)] = ids, 1
-      batch["loss_weights"][j, : len(ids)] = w
-    batch = {k: v.reshape(len(chunk) // 2, 2, row_len) for k, v in batch.items()}
+    batch = pipeline.pair_rows([ids for ids, _ in chunk], [w for _, w in chunk], row_len)
     out.append(np.asarray(logps(batch)).reshape(-1))
-  chosen, rejected, elsewhere, _ = np.concatenate(out).reshape(-1, 4).T
+  chosen, rejected, elsewhere = np.concatenate(out)[: 3 * len(pairs)].reshape(-1, 3).T
   gain = chosen - elsewhere
   return {
     "preference_accuracy": float(np.mean(chosen > rejected)),
