@@ -25,6 +25,7 @@ import re
 
 import numpy as np
 
+from nnx_zoo.common.data import sources
 from nnx_zoo.common.errors import UserError
 
 ROLES = ("system", "user", "assistant")
@@ -185,6 +186,14 @@ def final_turn(weights: np.ndarray) -> np.ndarray:
 
 
 PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
+
+
+def file_records(path: str, *, fmt: str, messages_field: str):
+  """Each record of a chat or preference source, in order: a chat record's messages (its
+  `messages_field`), a preference record whole."""
+  if fmt == "preference":
+    return sources.records(path, text_field="prompt")
+  return (r[messages_field] for r in sources.records(path, text_field=messages_field))
 
 
 def _reply(value, where: str, key: str) -> list[dict]:

@@ -119,6 +119,13 @@ def _messages(play: str, heading: str, window: list[tuple[str, str]]) -> list[di
   return [system, *turns]
 
 
+def records(play: str, text: str, *, fmt: str, budget: int) -> list:
+  """A play's records of `data.format` `fmt`: its conversations (chat), or its pairs
+  (preference)."""
+  make = preference_pairs if fmt == "preference" else conversations
+  return make(play, text, budget=budget)
+
+
 def _speaker(system: str) -> str:
   """The assistant's name in a conversation's system line (`... You are HORATIO.`)."""
   return system.rsplit("You are ", 1)[-1].rstrip(".")

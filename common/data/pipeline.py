@@ -303,21 +303,20 @@ def _conversations(cfg, split: str) -> list[tuple[str, object]]:
     train = _plays(cfg.train_plays, "train_plays", plays) or [p for p in plays if p not in held_out]
     chosen = held_out if split == "eval" else train
     budget = dialogue.budget(cfg.seq_len)
-    make = dialogue.conversations if cfg.format == "chat" else dialogue.preference_pairs
     return [
       (f"{play} conversation {i}", record)
       for play, text in zip(chosen, read_shakespeare(chosen), strict=True)
-      for i, record in enumerate(make(play, text, budget=budget))
+      for i, record in enumerate(dialogue.records(play, text, fmt=cfg.format, budget=budget))
     ]
   if cfg.kind == "files":
     pattern = cfg.train_files if split == "train" else cfg.eval_files
     if split == "eval" and not pattern:
       return []
-    field = cfg.messages_field if cfg.format == "chat" else "prompt"
+    read = dict(fmt=cfg.format, messages_field=cfg.messages_field)
     return [
-      (f"{path} record {i + 1}", record if cfg.format == "preference" else record[field])
+      (f"{path} record {i + 1}", record)
       for path in sources.expand(pattern, key=f"data.{split}_files")
-      for i, record in enumerate(sources.records(path, text_field=field))
+      for i, record in enumerate(chat.file_records(path, **read))
     ]
   raise UserError(
     f"data.format={cfg.format!r} reads conversations from the plays (kind shakespeare) or "

