@@ -31,6 +31,9 @@ def main():
   p.add_argument("--new", type=int, default=256, help="new tokens per sequence")
   p.add_argument("--prompt-len", type=int, default=16)
   p.add_argument("--batches", default="1,8")
+  p.add_argument(
+    "--hf-dir", help="a Hugging Face directory to use instead (SmolLM2-135M-Instruct: README)"
+  )
   args = p.parse_args()
 
   import torch
@@ -39,16 +42,23 @@ def main():
   threads = len(os.sched_getaffinity(0))  # what XLA:CPU's thread pool uses
   torch.set_num_threads(threads)
   torch.manual_seed(0)
-  hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).float().eval()
-  with tempfile.TemporaryDirectory() as tmp:
-    hf_model.save_pretrained(tmp, safe_serialization=True)
-    zoo_model = hub.load(tmp)
-  print(f"llama-19m weights, greedy, {args.new} new tokens after a {args.prompt_len}-token prompt")
+  if args.hf_dir:
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32)
+    hf_model = hf_model.eval()
+    zoo_model = hub.load(args.hf_dir)
+    vocab_size, name = hf_model.config.vocab_size, args.hf_dir
+  else:
+    hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).float().eval()
+    with tempfile.TemporaryDirectory() as tmp:
+      hf_model.save_pretrained(tmp, safe_serialization=True)
+      zoo_model = hub.load(tmp)
+    vocab_size, name = HF_CONFIG["vocab_size"], "llama-19m"
+  print(f"{name} weights, greedy, {args.new} new tokens after a {args.prompt_len}-token prompt")
   print(f"threads: JAX {threads} (XLA:CPU pool), torch {torch.get_num_threads()}")
 
   rows = []
   for B in [int(b) for b in args.batches.split(",")]:
-    prompt = np.random.default_rng(B).integers(0, HF_CONFIG["vocab_size"], (B, args.prompt_len))
+    prompt = np.random.default_rng(B).integers(0, vocab_size, (B, args.prompt_len))
     prompt_t = torch.from_numpy(prompt.astype(np.int64))
 
     def zoo(prompt=prompt):

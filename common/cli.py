@@ -1,5 +1,5 @@
-"""The `zoo` command: list, show, plan, run, eval, generate, data, convert, export. See
-docs/DESIGN.md for the contract."""
+"""The `zoo` command: list, show, plan, run, eval, generate, data, convert, export, lm-eval.
+See docs/DESIGN.md for the contract."""
 
 import argparse
 import json
@@ -28,6 +28,11 @@ zoo data show EXP [--split train|eval] [--rows N] [--json]  # the rows the train
 zoo data bench EXP                                # the pipeline's tokens/s beside the trainer's
 zoo convert hf SRC_DIR --out DIR [--param-dtype float32]  # Hugging Face dir -> zoo checkpoint
 zoo export hf --workdir DIR --out DIR             # zoo checkpoint -> Hugging Face dir
+zoo lm-eval --workdir DIR --tasks T1,T2 [--include-path DIR] [--num-fewshot K] [--limit N]
+             [--batch-size B] [--output-path F]   # EleutherAI's lm-evaluation-harness on a
+             decoder (its table; its results JSON in F, default DIR/lm_eval/results.json)
+zoo convert gguf FILE.gguf --out DIR [--param-dtype float32]  # llama.cpp file -> zoo checkpoint
+zoo export gguf --workdir DIR --out FILE.gguf [--type f32|f16|bf16|q8_0]  # -> llama.cpp file
 
 EXP is a registered name (lm/shakespeare-char) or a path to an experiment file, either with an
 optional argument after a colon (lm/llama3-8b:smoke).
@@ -128,14 +133,23 @@ def parser() -> argparse.ArgumentParser:
   bench.add_argument("--batches", type=int, default=50, help="pipeline batches timed")
   bench.add_argument("--steps", type=int, default=5, help="train steps timed")
   conv = sub.add_parser("convert")
-  conv.add_argument("format", choices=["hf"])
+  conv.add_argument("format", choices=["hf", "gguf"])
   conv.add_argument("src")
   conv.add_argument("--out", required=True)
   conv.add_argument("--param-dtype", default="float32")
   exp = sub.add_parser("export")
-  exp.add_argument("format", choices=["hf"])
+  exp.add_argument("format", choices=["hf", "gguf"])
   exp.add_argument("--workdir", required=True)
   exp.add_argument("--out", required=True)
+  exp.add_argument("--type", default="f32", help="gguf: f32, f16, bf16 or q8_0")
+  harness = sub.add_parser("lm-eval")
+  harness.add_argument("--workdir", required=True)
+  harness.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated")
+  harness.add_argument("--include-path", help="a folder of more task YAML files")
+  harness.add_argument("--num-fewshot", type=int)
+  harness.add_argument("--limit", type=float, help="items per task (a fraction if below 1)")
+  harness.add_argument("--batch-size", type=int, default=16)
+  harness.add_argument("--output-path", help="the results JSON (DIR/lm_eval/results.json)")
   return p
 
 
@@ -165,6 +179,7 @@ def cmd_show(args, overrides):
     args.mesh_rule = plan.parse_topology(args.topology).hardware
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
   print(cfg)
+  print(f"# model: {experiments.model_origin(cfg)}")
   print(f"# mesh rule: {cfg.mesh_rule}")
   _print_attention_impl(cfg, hardware(args))
   count = models.num_params(cfg.model)
@@ -231,7 +246,7 @@ def cmd_eval(args, overrides):
   import jax
 
   from nnx_zoo.common import distributed, experiments, mesh, parallel, tasks
-  from nnx_zoo.common.hub import weights
+  from nnx_zoo.common.hub import checkpoint, weights
   from nnx_zoo.common.train import metrics, trainer
 
   distributed.initialize(args.coordinator, args.num_processes, args.process_id)
@@ -240,16 +255,23 @@ def cmd_eval(args, overrides):
   sizes = mesh.resolve(cfg.mesh, jax.device_count())
   parallel.check_experiment(cfg, sizes)
   layout = parallel.experiment_layout(cfg, sizes) if jax.device_count() > 1 else None
-  graphdef, params, step = weights.restore_params(cfg, args.workdir, layout)
+  if not checkpoint.has_steps(args.workdir) and cfg.init_from:
+    # No run yet: the weights it would start from, the number a fine-tune is compared with.
+    graphdef, params = weights.init_from_params(cfg, layout)
+    step, evaluated = 0, "init_from"
+  else:
+    graphdef, params, step = weights.restore_params(cfg, args.workdir, layout)
+    evaluated = "checkpoint"
   data = trainer.load_data(cfg, train=False, layout=layout)
   if data.eval is None:
     raise UserError(f"{args.exp} has no held-out split: set data.eval_files.")
   result = trainer.evaluate(params, data, graphdef=graphdef, cfg=cfg, layout=layout)
   result.update(tasks.of(cfg).score(graphdef, params, cfg))  # a denoiser's samples, say
+  os.makedirs(args.workdir, exist_ok=True)  # a base's evaluation: the run's log starts here
   log = metrics.MetricsLog(args.workdir)
   log.write(step, result, split="eval")
   log.close()
-  print(json.dumps({"step": step, "split": "eval", **result}))
+  print(json.dumps({"step": step, "split": "eval", "weights": evaluated, **result}))
 
 
 def cmd_generate(args, _overrides):
@@ -305,13 +327,31 @@ def cmd_data(args, overrides):
 def cmd_convert(args, _overrides):
   from nnx_zoo.common import hub
 
-  print(json.dumps(hub.convert_hf(args.src, args.out, param_dtype=args.param_dtype)))
+  convert = hub.convert_gguf if args.format == "gguf" else hub.convert_hf
+  print(json.dumps(convert(args.src, args.out, param_dtype=args.param_dtype)))
 
 
 def cmd_export(args, _overrides):
   from nnx_zoo.common import hub
 
-  print(json.dumps(hub.export_hf(args.workdir, args.out)))
+  if args.format == "gguf":
+    print(json.dumps(hub.export_gguf(args.workdir, args.out, type=args.type)))
+  else:
+    print(json.dumps(hub.export_hf(args.workdir, args.out)))
+
+
+def cmd_lm_eval(args, _overrides):
+  from nnx_zoo.common import lm_eval
+
+  lm_eval.run(
+    args.workdir,
+    [t.strip() for t in args.tasks.split(",") if t.strip()],
+    include_path=args.include_path,
+    num_fewshot=args.num_fewshot,
+    limit=args.limit,
+    batch_size=args.batch_size,
+    output_path=args.output_path,
+  )
 
 
 COMMANDS = {
@@ -325,7 +365,33 @@ COMMANDS = {
   "data": cmd_data,
   "convert": cmd_convert,
   "export": cmd_export,
+  "lm-eval": cmd_lm_eval,
 }
+
+
+# The environment variable that moves JAX's persistent compilation cache, or turns it off ("off").
+COMPILATION_CACHE = "NNX_ZOO_COMPILATION_CACHE"
+# Commands that start JAX's backends at once: quietly, so libtpu's C-level complaints on a host
+# without a TPU (from the tpu and test extras) do not come before the answer. `run` and `eval`
+# start them after jax.distributed.initialize (several hosts), quietly too (mesh.hardware_name).
+STARTS_JAX = ("generate", "chat", "convert", "export", "lm-eval")
+
+
+def start_jax(command: str):
+  """JAX as every command uses it: compiled programs kept on disk (under the zoo's cache, or
+  $NNX_ZOO_COMPILATION_CACHE; "off" keeps none), so a second `zoo chat` or `zoo generate` of the
+  same model loads its programs instead of compiling them again."""
+  import jax
+
+  from nnx_zoo.common import files, mesh
+
+  where = os.environ.get(COMPILATION_CACHE, "") or files.cache_dir("jax")
+  if where.lower() not in ("off", "0", "none"):
+    jax.config.update("jax_compilation_cache_dir", where)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  if command in STARTS_JAX:
+    with mesh.quiet_stderr():
+      jax.devices()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,8 +402,10 @@ def main(argv: list[str] | None = None) -> int:
   try:
     rest, overrides = split_overrides(argv)
     args = parser().parse_args(rest)
-    if overrides and args.command in ("list", "generate", "convert", "export"):
+    if overrides and args.command in ("list", "generate", "convert", "export", "lm-eval"):
       raise UserError(f"`zoo {args.command}` takes no --config overrides.")
+    if args.command != "list":
+      start_jax(args.command)
     COMMANDS[args.command](args, overrides)
   except UserError as e:
     print(f"zoo: error: {e}", file=sys.stderr)

@@ -173,6 +173,8 @@ ADDED_LATER = {
   "data.messages_field": "messages",
   "data.chat_template": "",
   "data.loss_on": "assistant",
+  "data.rejected": "",
+  "data.rejected_max_tokens": 64,
 }
 
 

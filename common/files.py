@@ -8,6 +8,13 @@ import sys
 from nnx_zoo.common.errors import UserError
 
 
+def cache_dir(*parts: str) -> str:
+  """A directory under the zoo's cache: $NNX_ZOO_CACHE, else nnx_zoo under $XDG_CACHE_HOME or
+  ~/.cache (tiny checkpoints, compiled programs)."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(os.environ.get("NNX_ZOO_CACHE") or os.path.join(base, "nnx_zoo"), *parts)
+
+
 def warn(message: str):
   """One line on stderr, like the CLI's errors (no logging set-up needed)."""
   print(f"zoo: warning: {message}", file=sys.stderr, flush=True)

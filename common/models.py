@@ -21,6 +21,46 @@ from nnx_zoo.common.nn import lora, memory, quant
 # checkpoint matches its model whatever they were (the memory levers; quantized matmuls;
 # stochastic depth).
 HOW_TRAINED = (*memory.LEVERS, *quant.LEVERS, "model.drop_path")
+# What an experiment whose model comes from its init_from checkpoint (`model_from="init_from"`)
+# may still set of the model: how it is trained and computed (adapters, the memory levers,
+# quantized matmuls, stochastic depth, precision, the attention kernel), never what it is.
+LEVERS = (
+  "model.lora",
+  *HOW_TRAINED,
+  "model.dtype",
+  "model.param_dtype",
+  "model.attention.impl",
+)
+
+
+def levers(**values) -> ml_collections.ConfigDict:
+  """The `model` section of an experiment with `model_from="init_from"`: the LEVERS, at the
+  values that change nothing (float32, no adapters, no remat), with `values` set (`lora=...`).
+  The rest of the model config is the checkpoint's (`nnx_zoo.common.experiments`)."""
+  cfg = ml_collections.ConfigDict(
+    {
+      "lora": lora.config(),
+      "remat": "none",
+      "scan": False,
+      "pipeline_repeats": 1,
+      "quant": "none",
+      "quant_backward": True,
+      "drop_path": 0.0,
+      "dtype": "float32",
+      "param_dtype": "float32",
+      "attention": {"impl": "auto"},
+    }
+  )
+  unknown = set(values) - set(cfg)
+  if unknown:
+    raise UserError(f"models.levers() takes no {sorted(unknown)}: it takes {sorted(cfg)}.")
+  cfg.update(values)
+  return cfg
+
+
+def is_lever(key: str) -> bool:
+  """Whether the dotted model key (`model.lora.rank`) is one of the LEVERS or under one."""
+  return any(key == k or key.startswith(k + ".") for k in LEVERS)
 
 
 @functools.cache

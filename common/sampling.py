@@ -34,28 +34,122 @@ def sample_logits(
   return jax.random.categorical(rng, logits_BV, axis=-1)
 
 
+# Prompts are padded up to a multiple of this many tokens before the prefill: prompts of nearby
+# lengths share one compiled program (and its copy in the persistent compilation cache).
+PROMPT_BUCKET = 64
+
+
 @functools.partial(
-  jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p")
+  jax.jit,
+  static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p", "stop_ids"),
 )
-def _generate(params, prompt_BP, rng, *, graphdef, max_new_tokens, temperature, top_k, top_p):
+def _generate(
+  params, prompt_BL, length, rng, *, graphdef, max_new_tokens, temperature, top_k, top_p, stop_ids
+):
+  """[B, max_new_tokens] new tokens after the first `length` tokens of `prompt_BL` (the rest is
+  padding). The prefill runs over the padded prompt, and the cache is rewound to `length`: a
+  causal model's logits at `length - 1` never saw the padding, and the new tokens overwrite it.
+  A row stops at its first token of `stop_ids`, filled with the first stop id after it; the loop
+  ends when every row has stopped."""
+  model = nnx.merge(graphdef, params)
+  B, L = prompt_BL.shape
+  sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+  cache = model.init_cache(B, L + max_new_tokens)
+  logits_BLV, cache = model(prompt_BL, cache=cache)
+  cache = [c.rewound(length) for c in cache]
+  rng, first_rng = jax.random.split(rng)
+  first_B = sample(logits_BLV[:, length - 1], first_rng).astype(jnp.int32)
+  step_rngs = jax.random.split(rng, max(max_new_tokens - 1, 1))
+  stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
+  fill = stops[0]
+
+  def cond(carry):
+    t, _, _, _, done_B = carry
+    return (t < max_new_tokens) & ~jnp.all(done_B)
+
+  def body(carry):
+    t, token_B, cache, out_BN, done_B = carry
+    out_BN = out_BN.at[:, t].set(token_B)
+    done_B = done_B | jnp.isin(token_B, stops)
+    logits_B1V, cache = model(token_B[:, None], cache=cache)
+    next_B = sample(logits_B1V[:, 0], step_rngs[jnp.minimum(t, max_new_tokens - 2)])
+    next_B = jnp.where(done_B, fill, next_B.astype(jnp.int32))
+    return t + 1, next_B, cache, out_BN, done_B
+
+  out_BN = jnp.full((B, max_new_tokens), fill, jnp.int32)
+  done_B = jnp.zeros((B,), bool)
+  carry = (jnp.int32(0), first_B, cache, out_BN, done_B)
+  return jax.lax.while_loop(cond, body, carry)[3]
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "graphdef",
+    "prefill",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "stop_ids",
+  ),
+)
+def continue_rows(
+  params,
+  prompt_BP,
+  lengths_B,
+  keys_B,
+  *,
+  graphdef,
+  prefill: int,
+  max_new_tokens: int,
+  temperature: float,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  stop_ids: tuple[int, ...] = (),
+):
+  """Rows of prompts of different lengths continued in one compiled call (GRPO's rollouts):
+  [B, P + max_new_tokens], row b its prompt (the first `lengths_B[b]` tokens of `prompt_BP`,
+  left-aligned, every row at least `prefill` long) and then sampled tokens. The first `prefill`
+  tokens run as one prefill; from there a loop writes one token a step, the prompt's own while
+  it lasts (forced) and a sampled one after, so a short prompt gets more than max_new_tokens
+  (its caller keeps the first max_new_tokens). Row b's token at index t is drawn with
+  fold_in(keys_B[b], t): a row's tokens depend on its key and its prompt only, not on the rows
+  beside it or the mesh. The loop ends with the longest prompt's max_new_tokens, or before once
+  every row has sampled one of `stop_ids` (single-token ends of turn); what a row holds after
+  its stop, or after its first max_new_tokens, is undefined."""
   model = nnx.merge(graphdef, params)
   B, P = prompt_BP.shape
-  sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-  cache = model.init_cache(B, P + max_new_tokens)
-  logits_BPV, cache = model(prompt_BP, cache=cache)
-  rng, first_rng = jax.random.split(rng)
-  first_B = sample(logits_BPV[:, -1], first_rng)
+  L = P + max_new_tokens
+  prompt_BL = jnp.pad(prompt_BP, ((0, 0), (0, max_new_tokens)))
+  options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+  stops = jnp.asarray(stop_ids or (-1,), prompt_BL.dtype)
 
-  def step(carry, step_rng):
-    token_B, cache = carry
-    logits_B1V, cache = model(token_B[:, None], cache=cache)
-    next_B = sample(logits_B1V[:, 0], step_rng)
-    return (next_B, cache), token_B
+  def draw(logits_BV, t):
+    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, t)
+    one = lambda logits_V, key: sample_logits(logits_V[None], key, **options)[0]  # noqa: E731
+    sampled_B = jax.vmap(one)(logits_BV, keys).astype(prompt_BL.dtype)
+    return jnp.where(t < lengths_B, prompt_BL[:, t], sampled_B)  # the prompt's, while it lasts
 
-  rngs = jax.random.split(rng, max_new_tokens - 1)
-  (last_B, _), tokens_TB = jax.lax.scan(step, (first_B, cache), rngs)
-  new_BT = jnp.concatenate([tokens_TB.T, last_B[:, None]], axis=1)
-  return jnp.concatenate([prompt_BP, new_BT.astype(prompt_BP.dtype)], axis=1)
+  cache = model.init_cache(B, L)
+  logits_BPV, cache = model(prompt_BL[:, :prefill], cache=cache)
+
+  end = jnp.minimum(jnp.max(lengths_B) + max_new_tokens, L)  # the longest prompt's last token
+
+  def cond(carry):
+    t, _, _, _, done_B = carry
+    return (t < end) & ~jnp.all(done_B)
+
+  def body(carry):
+    t, buffer_BL, logits_BV, cache, done_B = carry
+    token_B = draw(logits_BV, t)
+    buffer_BL = buffer_BL.at[:, t].set(token_B)
+    done_B = done_B | ((t >= lengths_B) & jnp.isin(token_B, stops))
+    logits_B1V, cache = model(token_B[:, None], cache=cache)  # the last one is not needed
+    return t + 1, buffer_BL, logits_B1V[:, 0], cache, done_B
+
+  carry = (jnp.int32(prefill), prompt_BL, logits_BPV[:, -1], cache, jnp.zeros((B,), bool))
+  return jax.lax.while_loop(cond, body, carry)[1]
 
 
 def _split(model_or_split, *, seq2seq: bool):
@@ -88,21 +182,30 @@ def generate(
   temperature: float = 1.0,
   top_k: int = 0,
   top_p: float = 1.0,
+  stop_ids: tuple[int, ...] = (),
 ) -> jax.Array:
-  """The prompt followed by `max_new_tokens` sampled tokens: [B, P + max_new_tokens]."""
+  """The prompt followed by `max_new_tokens` sampled tokens: [B, P + max_new_tokens]. A row that
+  writes one of `stop_ids` (an end-of-turn token) stops there, the rest of it filled with the
+  first stop id, and decoding ends once every row has stopped."""
   graphdef, params = _split(model_or_split, seq2seq=False)
   if max_new_tokens < 1:
     return prompt_BP
-  return _generate(
+  prompt_BP = jnp.asarray(prompt_BP, jnp.int32)
+  P = prompt_BP.shape[1]
+  padded_BL = jnp.pad(prompt_BP, ((0, 0), (0, -P % PROMPT_BUCKET)))
+  new_BN = _generate(
     params,
-    jnp.asarray(prompt_BP, jnp.int32),
+    padded_BL,
+    jnp.int32(P),
     rng,
     graphdef=graphdef,
     max_new_tokens=max_new_tokens,
     temperature=float(temperature),
     top_k=int(top_k),
     top_p=float(top_p),
+    stop_ids=tuple(sorted({int(i) for i in stop_ids if i is not None and i >= 0})),
   )
+  return jnp.concatenate([prompt_BP, new_BN], axis=1)
 
 
 def generate_stepwise(model, prompt_BP, *, max_new_tokens: int) -> jax.Array:

@@ -101,6 +101,11 @@ def get(name: str) -> Kind:
 def check_vocab(cfg, ids: int, what: str):
   """A kind's check that the model's vocabulary holds the `ids` its data uses (`what`: "The
   tokenizer has", "The data uses ... ids (...)": the start of the error, before the count)."""
+  if ids > cfg.model.vocab_size and cfg.get("model_from"):  # the vocabulary is the checkpoint's
+    raise UserError(
+      f"{what.format(ids=ids)} but the init_from model's vocabulary has {cfg.model.vocab_size}: "
+      "give a tokenizer that fits it (leave data.tokenizer unset: the checkpoint's own)."
+    )
   if ids > cfg.model.vocab_size:
     raise UserError(
       f"{what.format(ids=ids)} but model.vocab_size is {cfg.model.vocab_size}: set "
@@ -108,10 +113,16 @@ def check_vocab(cfg, ids: int, what: str):
     )
 
 
-def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> Data:
-  """The data of `cfg.data.kind`, checked against `cfg.model` first. `train=False`: the
-  held-out split only (`zoo eval`)."""
+def check(cfg):
+  """The checks of `cfg.data.kind` against `cfg.model` (its tokenizer's size, its chat template),
+  which the trainer runs before it writes anything."""
   kind = get(cfg.data.kind)
   if kind.check is not None:
     kind.check(cfg)
-  return kind.load(cfg, train=train, batch_size=batch_size, share=share)
+
+
+def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> Data:
+  """The data of `cfg.data.kind`, checked against `cfg.model` first. `train=False`: the
+  held-out split only (`zoo eval`)."""
+  check(cfg)
+  return get(cfg.data.kind).load(cfg, train=train, batch_size=batch_size, share=share)

@@ -9,6 +9,7 @@ from one document into the next. The training iterator is a grain DatasetIterato
 goes into every checkpoint: a resumed run sees exactly the batches it would have seen.
 """
 
+import functools
 import glob
 import importlib.util
 import os
@@ -21,8 +22,17 @@ import ml_collections
 import numpy as np
 
 from nnx_zoo.common import files
-from nnx_zoo.common.data import chat, dialogue, kinds, sources, tokenizers
+from nnx_zoo.common.data import (
+  arithmetic,
+  chat,
+  dialogue,
+  kinds,
+  rollouts,
+  sources,
+  tokenizers,
+)
 from nnx_zoo.common.errors import UserError, suggest
+from nnx_zoo.common.hub import paths
 
 # Documents
 
@@ -212,13 +222,14 @@ class Rows:
 # Datasets
 
 
-KINDS = ("shakespeare", "files", "shakespeare_genre")
+KINDS = ("shakespeare", "files", "shakespeare_genre", "arithmetic")
 
 
 def config(**kw) -> ml_collections.ConfigDict:
   """A data sub-config. kind: "shakespeare" (held out by play, or by the end of each play with
   eval_fraction), "files" (text, JSONL, Parquet, ... see common/data/sources.py),
-  "shakespeare_genre" (lines labelled by genre), "prepared" (`zoo data prepare`'s shards)."""
+  "shakespeare_genre" (lines labelled by genre), "arithmetic" (sums as GRPO prompts, see
+  common/data/arithmetic.py), "prepared" (`zoo data prepare`'s shards)."""
   cfg = {
     "kind": "shakespeare",
     "eval_plays": "",
@@ -248,6 +259,11 @@ def config(**kw) -> ml_collections.ConfigDict:
     # format "chat": the tokens the training loss covers, "assistant" (its turns) or "all" (every
     # token, the ablation); the held-out loss is always the assistant's.
     "loss_on": "assistant",
+    # format "preference": the rejected reply, the record's own ("") or the init_from model's
+    # greedy reply to the prompt ("init_from": on-policy pairs, sampled once at start-up and
+    # cached, common/data/rollouts.py), of at most rejected_max_tokens tokens.
+    "rejected": "",
+    "rejected_max_tokens": 64,
   }
   unknown = set(kw) - set(cfg)
   if unknown:
@@ -256,11 +272,12 @@ def config(**kw) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(cfg)
 
 
-def load_split(cfg, split: str, tokenizer=None) -> Rows | None:
-  """Tokenized, packed rows of a split; None when the config has no such split."""
+def load_split(cfg, split: str, tokenizer=None, *, replier=None) -> Rows | None:
+  """Tokenized, packed rows of a split; None when the config has no such split. `replier`:
+  preference data's rejected replies (`rollouts.replies`), where data.rejected asks for them."""
   tokenizer = tokenizer or tokenizers.load(cfg.tokenizer)
   if cfg.format != "text":
-    return conversation_split(cfg, split, tokenizer)
+    return conversation_split(cfg, split, tokenizer, replier=replier)
   if cfg.kind == "shakespeare_genre":
     lines, labels = genre_lines(cfg, split)
     return Rows(labelled_rows(lines, labels, tokenizer, cfg.seq_len), f"{cfg.kind}:{split}")
@@ -285,7 +302,7 @@ def load_split(cfg, split: str, tokenizer=None) -> Rows | None:
   return Rows(packed, f"{cfg.kind}:{split}:{cfg.seq_len}")
 
 
-FORMATS = ("text", "chat", "preference")
+FORMATS = ("text", "chat", "preference", "prompts")
 
 
 def _conversations(cfg, split: str) -> list[tuple[str, object]]:
@@ -313,18 +330,24 @@ def _conversations(cfg, split: str) -> list[tuple[str, object]]:
     if split == "eval" and not pattern:
       return []
     read = dict(fmt=cfg.format, messages_field=cfg.messages_field)
+    records = chat.file_records  # "prompts": each record whole, its prompt and other fields
+    if cfg.format == "prompts":
+      records = lambda path, **_: sources.records(path, text_field="prompt")  # noqa: E731
+      pattern = ",".join(paths.resolve(p.strip()) for p in pattern.split(","))  # pkg: files
     return [
       (f"{path} record {i + 1}", record)
       for path in sources.expand(pattern, key=f"data.{split}_files")
-      for i, record in enumerate(chat.file_records(path, **read))
+      for i, record in enumerate(records(path, **read))
     ]
+  if cfg.kind == "arithmetic" and cfg.format == "prompts":
+    return [(f"arithmetic {split} {i}", r) for i, r in enumerate(arithmetic.records(split))]
   raise UserError(
     f"data.format={cfg.format!r} reads conversations from the plays (kind shakespeare) or "
-    f"from files (kind files), not from data.kind={cfg.kind!r}."
+    f"from files (kind files), or prompts from kind arithmetic, not from data.kind={cfg.kind!r}."
   )
 
 
-def conversation_split(cfg, split: str, tokenizer) -> Rows | None:
+def conversation_split(cfg, split: str, tokenizer, *, replier=None) -> Rows | None:
   """The rows of chat or preference data (common/data/chat.py): a chat split's conversations
   packed whole into rows with their loss weights; a preference split one pair a row, [N, 2,
   seq_len + 1] (chosen, rejected), the loss weights on the final reply only."""
@@ -336,6 +359,11 @@ def conversation_split(cfg, split: str, tokenizer) -> Rows | None:
   if not records:
     return None
   template, row_len = chat.template(cfg), cfg.seq_len + 1
+  if cfg.format == "prompts":  # GRPO's prompts (common/tasks/grpo.py), each record whole
+    packed = prompt_rows(records, template, tokenizer, cfg.seq_len)
+    rows = Rows(packed, f"{cfg.kind}:{cfg.format}:{split}:{cfg.seq_len}")
+    rows.records = [record for _, record in records]
+    return rows
   if cfg.format == "chat":
     conversations = [(where, chat.check_messages(messages, where)) for where, messages in records]
     encoded = chat.encode_all(
@@ -345,6 +373,8 @@ def conversation_split(cfg, split: str, tokenizer) -> Rows | None:
       encoded.weights = [np.ones_like(w) for w in encoded.weights]
     packed = chat.pack(encoded.ids, encoded.weights, row_len)
   else:
+    if replier is not None:  # on-policy: the starting model's own reply is the rejected one
+      records = on_policy(records, replier, template=template, tokenizer=tokenizer)
     encoded = _encode_pairs(records, template, tokenizer, row_len, f"{split} data")
     packed = pair_rows(encoded.ids, encoded.weights, row_len)
   if encoded.dropped:
@@ -355,6 +385,45 @@ def conversation_split(cfg, split: str, tokenizer) -> Rows | None:
   if len(packed["tokens"]) == 0:
     raise UserError(f"The {split} data has no {cfg.format} record left: raise data.seq_len.")
   return Rows(packed, f"{cfg.kind}:{cfg.format}:{split}:{cfg.seq_len}")
+
+
+def prompt_rows(records, template, tokenizer, seq_len: int) -> dict:
+  """Prompt records ({"prompt": messages, ...other fields}) rendered with the generation prompt,
+  one a row, left-aligned: {"tokens", "segment_ids" (1: the prompt's), "index" (the record's)}
+  [N, seq_len]. A prompt longer than seq_len is refused: cut, it would ask another question."""
+  tokens = np.zeros((len(records), seq_len), np.int32)
+  segments = np.zeros((len(records), seq_len), np.int32)
+  for i, (where, record) in enumerate(records):
+    if not isinstance(record, dict) or "prompt" not in record:
+      raise UserError(f"{where}: a prompt record needs 'prompt' (a list of messages).")
+    messages = chat.check_messages(record["prompt"], f"{where} (prompt)")
+    ids, _ = tokenizer.encode_chat(template.render(messages, add_generation_prompt=True))
+    if len(ids) > seq_len:
+      raise UserError(
+        f"{where}: the prompt has {len(ids)} tokens rendered, more than data.seq_len={seq_len}: "
+        "raise data.seq_len (the prompts' length) or shorten it."
+      )
+    tokens[i, : len(ids)], segments[i, : len(ids)] = ids, 1
+  index = np.arange(len(records), dtype=np.int32)
+  return {"tokens": tokens, "segment_ids": segments, "index": index}
+
+
+def on_policy(records, replier, *, template, tokenizer) -> list[tuple[str, dict]]:
+  """Preference records with `replier`'s reply to each prompt as the rejected one; a pair whose
+  reply is empty or equals the chosen one (which prefers nothing) is dropped, and counted."""
+  prompts = [record["prompt"] for _, record in records]
+  replies = replier(prompts, template=template, tokenizer=tokenizer)
+  out = [
+    (where, {**record, "rejected": reply})
+    for (where, record), reply in zip(records, replies, strict=True)
+    if reply and reply != record["chosen"]
+  ]
+  if len(out) < len(records):
+    files.warn(
+      f"{len(records) - len(out)} on-policy replies were empty or the chosen reply: their pairs "
+      "were dropped."
+    )
+  return out
 
 
 def _encode_pairs(records, template, tokenizer, row_len: int, what: str) -> chat.Encoded:
@@ -483,15 +552,16 @@ def padded_batches(
 
 
 def train_iterator(
-  rows: Rows, *, batch_size: int, seed: int, share: slice | None = None
+  rows: Rows, *, batch_size: int, seed: int, share: slice | None = None, draw=None
 ) -> grain.DatasetIterator:
-  """Endless shuffled global batches (reshuffled each epoch), this process's share of each."""
+  """Endless shuffled global batches (reshuffled each epoch), this process's share of each
+  (`draw`: see `shuffled_batches`)."""
   if len(rows) < batch_size:
     raise UserError(
       f"The training data has {len(rows)} rows of seq_len + 1 tokens, fewer than "
       f"train.batch_size={batch_size}: give more text or lower the batch size."
     )
-  return shuffled_batches(rows, batch_size=batch_size, seed=seed, share=share)
+  return shuffled_batches(rows, batch_size=batch_size, seed=seed, share=share, draw=draw)
 
 
 def eval_batches(rows: Rows, *, batch_size: int, max_batches: int = 0, share=None):
@@ -503,20 +573,37 @@ def eval_batches(rows: Rows, *, batch_size: int, max_batches: int = 0, share=Non
 
 
 def check(cfg):
-  """The tokenizer's ids fit the model's vocabulary."""
+  """The tokenizer's ids fit the model's vocabulary; conversations have a chat template."""
   kinds.check_vocab(
     cfg, tokenizers.load(cfg.data.tokenizer).vocab_size, "The tokenizer has {ids} ids"
   )
+  if cfg.data.format != "text":
+    chat.template(cfg.data)  # none: a UserError naming where one can come from
+
+
+def rollout_seed(example: dict, rng: np.random.Generator) -> dict:
+  """A prompt with the seed its rollouts are drawn with (common/tasks/grpo.py): fixed by the
+  run's seed and the prompt's place in the endless stream, so a resumed run draws the same."""
+  return {**example, "seed": rng.integers(0, 2**31, dtype=np.int32)}
 
 
 def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Data:
   """The tokenized rows of `load_split`: shuffled batches to train on, the held-out ones."""
   tokenizer = tokenizers.load(cfg.data.tokenizer)
+  replier = None
+  if cfg.data.format == "preference" and cfg.data.get("rejected"):
+    if cfg.data.rejected != "init_from" or not cfg.init_from:
+      raise UserError(
+        f"data.rejected={cfg.data.rejected!r}: use '' (the records' own rejected replies) or "
+        "'init_from' (the init_from model's, which needs --config.init_from)."
+      )
+    replier = functools.partial(rollouts.replies, cfg)
   iterator = None
   if train:
-    rows = load_split(cfg.data, "train", tokenizer)
-    iterator = train_iterator(rows, batch_size=batch_size, seed=cfg.seed, share=share)
-  held_out = load_split(cfg.data, "eval", tokenizer)
+    rows = load_split(cfg.data, "train", tokenizer, replier=replier)
+    draw = rollout_seed if cfg.data.format == "prompts" else None
+    iterator = train_iterator(rows, batch_size=batch_size, seed=cfg.seed, share=share, draw=draw)
+  held_out = load_split(cfg.data, "eval", tokenizer, replier=replier)
   pairs = 2 if cfg.data.format == "preference" else 1  # a row of preference data is two
   return kinds.Data(iterator, held_out, eval_batches, pairs * cfg.data.seq_len)
 

@@ -3,9 +3,12 @@ directory into a zoo checkpoint, `export_hf` a zoo checkpoint into an HF directo
 written on bad input.
 """
 
+import dataclasses
+import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 
 import jax
@@ -15,17 +18,20 @@ import numpy as np
 from flax import nnx
 
 from nnx_zoo.common import config as config_lib
-from nnx_zoo.common import models, parallel, tasks
+from nnx_zoo.common import files, models, parallel, tasks
 from nnx_zoo.common.data import tokenizers as tokenizers_lib
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub import checkpoint, generation, paths
+from nnx_zoo.common.hub import checkpoint, generation, gguf, paths, tiny
 from nnx_zoo.common.hub.hf import (
   NOT_KEPT,
   TOKENIZER_FILES,
+  SafeTensors,
   architecture,
+  family_of,
   fetch,
   params_module,
   read_hf,
+  read_hf_config,
   to_hf,
 )
 from nnx_zoo.common.nn import lora, stacking
@@ -67,12 +73,89 @@ def merge_lora(cfg, params: nnx.State) -> tuple[ml_collections.ConfigDict, nnx.S
   return cfg, nnx.state(model, nnx.Param)
 
 
+def locate(path: str) -> str:
+  """The local path of a checkpoint named in a config or on the command line: a plain path, a
+  `pkg:MODULE/path` in an installed package, a `tiny:NAME` checkpoint (made on first use), or a
+  Hugging Face hub id (downloaded)."""
+  if tiny.is_tiny(path):
+    return tiny.checkpoint(path)
+  return fetch(paths.resolve(path))
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """What a checkpoint says of itself, read without its weights: its model config, the
+  `data.tokenizer` config of its tokenizer (None: it has none) and its chat template ("": the
+  tokenizer's own). What an experiment with `model_from="init_from"` is resolved from."""
+
+  path: str
+  kind: str  # "zoo checkpoint" or "Hugging Face directory"
+  model: ml_collections.ConfigDict
+  tokenizer: ml_collections.ConfigDict | None
+  chat_template: str = ""
+
+
+def source(path: str) -> Source:
+  """The `Source` of a zoo checkpoint (a `zoo run` workdir, a `zoo convert` output: its latest
+  step's model config; a LoRA run's without its adapters, which `read` merges) or a Hugging Face
+  directory (config.json and the tensors' names)."""
+  path = os.path.abspath(locate(path))
+  if not os.path.exists(path):
+    raise UserError(
+      f"init_from={path!r} does not exist: give the workdir of an earlier `zoo run`, a "
+      "`zoo convert` output or a Hugging Face directory."
+    )
+  if path.endswith(".gguf"):  # a llama.cpp file: its tokenizer written once into the cache
+    model, _ = gguf.read_config(path)
+    return Source(path, "GGUF file", model, tokenizers_lib.config("hf", gguf_tokenizer(path)))
+  if is_zoo_checkpoint(path):
+    ckpts, step = checkpoint.open_latest(path)
+    try:
+      meta = ckpts.meta(step)
+    finally:
+      ckpts.close()
+    model = models.upgrade(meta["model"])
+    model.lora.rank = 0  # merged into the base weights by `read`
+    data = meta.get("data", {})
+    tokenizer = data.get("tokenizer")
+    if tokenizer and tokenizer.get("kind") != "bytes" and not tokenizer.get("path"):
+      tokenizer = None  # a conversion of a directory that had no tokenizer files
+    tokenizer = ml_collections.ConfigDict(tokenizer) if tokenizer else None
+    return Source(path, "zoo checkpoint", model, tokenizer, data.get("chat_template", ""))
+  hf_config = read_hf_config(path)
+  mod = params_module(family_of(architecture(hf_config)))
+  model = mod.config_from_hf(hf_config, SafeTensors(path).names())
+  found = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(path, f))]
+  tokenizer = _tokenizer_config(path, found)
+  return Source(path, "Hugging Face directory", model, tokenizer if tokenizer.path else None)
+
+
+def gguf_tokenizer(path: str) -> str:
+  """A Hugging Face tokenizer directory (with the chat template) of a GGUF file's tokenizer,
+  written on first use under the zoo's cache, keyed by the file's path, size and time."""
+  stat = os.stat(path)
+  key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+  out = files.cache_dir("gguf-tokenizers", key.hexdigest()[:24])
+  if not os.path.isfile(os.path.join(out, "tokenizer.json")):
+    tmp = f"{out}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+      gguf.tokenizer_dir(path, tmp)
+      shutil.rmtree(out, ignore_errors=True)
+      os.rename(tmp, out)
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
+  return out
+
+
 def read(path: str) -> tuple[ml_collections.ConfigDict, nnx.State]:
   """The model config and params at `path`: a zoo checkpoint (a `zoo run` workdir or the output
   of `zoo convert`) or a Hugging Face directory."""
-  path = fetch(path)
+  path = locate(path)
   if not os.path.exists(path):
     raise UserError(f"{path!r} does not exist: give a zoo checkpoint or a Hugging Face directory.")
+  if path.endswith(".gguf"):  # a llama.cpp file
+    return gguf.read_gguf(path)[:2]
   if is_zoo_checkpoint(path):
     cfg, params, _ = read_zoo(path)
   else:
@@ -164,7 +247,7 @@ def init_params(cfg, params: nnx.State) -> nnx.State:
   initialisation; every parameter of the checkpoint must be used. All that does not fit is
   reported in one error.
   """
-  path = fetch(paths.resolve(cfg.init_from))  # a hub id is downloaded
+  path = locate(cfg.init_from)  # a hub id is downloaded, a tiny: checkpoint made
   if not os.path.exists(path):
     raise UserError(
       f"init_from={path!r} does not exist: give the workdir of an earlier `zoo run`, a "
@@ -196,8 +279,10 @@ def init_params(cfg, params: nnx.State) -> nnx.State:
       "parameters):\n  "
       + "\n  ".join(problems[:20])
       + ("\n  ..." if len(problems) > 20 else "")
-      + "\nUse a checkpoint of the same model config, change the experiment's model, or name "
-      "the parameters to start fresh in init_reinit (e.g. --config.init_reinit='head.*')."
+      + "\nUse a checkpoint of the same model config, change the experiment's model, name "
+      "the parameters to start fresh in init_reinit (e.g. --config.init_reinit='head.*'), or "
+      "fine-tune it with an experiment that takes its model from init_from (chat/sft, chat/dpo, "
+      "lm/continue)."
     )
   return nnx.from_flat_state(
     [
@@ -250,22 +335,42 @@ def _tokenizer_config(out: str, files: list[str]) -> ml_collections.ConfigDict:
   return tokenizers_lib.config("hf", "")
 
 
+def _check_param_dtype(param_dtype: str):
+  if param_dtype not in ("float32", "bfloat16", "float16"):
+    raise UserError(f"--param-dtype {param_dtype!r}: use float32, bfloat16 or float16.")
+
+
 def convert_hf(src: str, out: str, *, param_dtype: str = "float32") -> dict:
   """Writes the HF directory `src` as a zoo checkpoint at `out`: the layout of a `zoo run`
   workdir (config.json with `model` and `data.tokenizer`, checkpoints/0 with the params and the
   model config), the tokenizer files and generation_config.json, so `zoo generate --workdir OUT`
   and `--config.init_from=OUT` work on it. Returns a summary."""
   _check_out(out)
-  if param_dtype not in ("float32", "bfloat16", "float16"):
-    raise UserError(f"--param-dtype {param_dtype!r}: use float32, bfloat16 or float16.")
+  _check_param_dtype(param_dtype)
   src = fetch(src)
   cfg, params, info = read_hf(src, param_dtype=param_dtype)
-  out = os.path.abspath(out)
   files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
-  tokenizer = _tokenizer_config(out, files)
   if os.path.isfile(os.path.join(src, generation.FILE)):  # how `zoo generate` prompts it
     files.append(generation.FILE)
+
+  def add_files(tmp):
+    for f in files:
+      shutil.copy(os.path.join(src, f), os.path.join(tmp, f))
+
   source = {"hf": os.path.abspath(src), "config": info["config"]}
+  summary = write_converted(out, cfg, params, source=source, files=files, add_files=add_files)
+  return {**summary, "skipped": info["skipped"]}
+
+
+def write_converted(
+  out: str, cfg, params: nnx.State, *, source: dict, files: list[str], add_files: Callable
+) -> dict:
+  """Writes a converted model (`convert_hf`, `convert_gguf`) as a zoo checkpoint at `out`
+  (checked new): config.json with `model`, `data.tokenizer` and `source`, checkpoints/0, and the
+  tokenizer and generation files `files`, which `add_files(dir)` puts into the new directory.
+  Returns a summary."""
+  out = os.path.abspath(out)
+  tokenizer = _tokenizer_config(out, files)
   run_config = ml_collections.ConfigDict(
     {"model": cfg.to_dict(), "data": {"tokenizer": tokenizer.to_dict()}, "source": source}
   )
@@ -279,8 +384,7 @@ def convert_hf(src: str, out: str, *, param_dtype: str = "float32") -> dict:
 
   def write(tmp):
     os.makedirs(tmp)
-    for f in files:
-      shutil.copy(os.path.join(src, f), os.path.join(tmp, f))
+    add_files(tmp)
     with open(os.path.join(tmp, "config.json"), "w") as f:
       f.write(config_lib.to_json(run_config))
     ckpts = checkpoint.Checkpoints(tmp, keep=1)
@@ -297,8 +401,54 @@ def convert_hf(src: str, out: str, *, param_dtype: str = "float32") -> dict:
     "family": cfg.family,
     "params": int(sum(x.size for x in jax.tree.leaves(params))),
     "tokenizer": tokenizer.kind if tokenizer.path else "none",
-    "skipped": info["skipped"],
   }
+
+
+def convert_gguf(src: str, out: str, *, param_dtype: str = "float32") -> dict:
+  """Writes the GGUF file `src` as a zoo checkpoint at `out`, as `weights.convert_hf` writes
+  an HF directory: the checkpoint, config.json, the tokenizer (with its chat template) and a
+  generation_config.json with the file's end token, so `zoo generate --workdir OUT` and
+  `--config.init_from=OUT` work on it. Returns a summary."""
+  _check_out(out)
+  _check_param_dtype(param_dtype)
+  src = locate(src)
+  cfg, params, info = gguf.read_gguf(src, param_dtype=param_dtype)
+  meta = info["gguf"]
+  generation_config = {
+    k: meta[f"tokenizer.ggml.{g}_token_id"]
+    for k, g in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding"))
+    if f"tokenizer.ggml.{g}_token_id" in meta
+  }
+  with tempfile.TemporaryDirectory() as tokdir:
+    has_tokenizer = "tokenizer.ggml.model" in meta
+    files = gguf.tokenizer_dir(src, tokdir) if has_tokenizer else []
+    with open(os.path.join(tokdir, generation.FILE), "w") as f:
+      json.dump(generation_config, f, indent=2)
+    files.append(generation.FILE)
+
+    def add_files(tmp):
+      for f in files:
+        shutil.copy(os.path.join(tokdir, f), os.path.join(tmp, f))
+
+    # The source's tokenizer pre-tokenizer name: what `export_gguf` writes back.
+    source = {
+      "gguf": os.path.abspath(src),
+      "config": info["config"],
+      "tokenizer_pre": meta.get("tokenizer.ggml.pre", ""),
+    }
+    summary = write_converted(out, cfg, params, source=source, files=files, add_files=add_files)
+  return {**summary, "skipped": info["skipped"]}
+
+
+def export_gguf(workdir: str, out: str, *, type: str = "f32") -> dict:  # noqa: A002
+  """Writes the latest checkpoint in `workdir` (LoRA merged) as the GGUF file `out`
+  (`gguf.write`): llama.cpp's metadata and tensor names, the tokenizer and chat template."""
+  if os.path.exists(out):
+    raise UserError(f"{out} exists: give a new --out file.")
+  if not os.path.isdir(workdir):
+    raise UserError(f"{workdir!r} is not a directory: give the --workdir of a `zoo run`.")
+  cfg, params, meta = read_zoo(workdir)
+  return gguf.write(cfg, params, meta, workdir, out, type=type)
 
 
 def export_hf(workdir: str, out: str) -> dict:

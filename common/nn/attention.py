@@ -91,6 +91,12 @@ class KVCache:
     shape = (batch, max_len, num_kv_heads, head_dim)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
 
+  def rewound(self, index: jax.Array) -> "KVCache":
+    """The cache with its first `index` slots counted as filled: what lies after them is never
+    attended to, and the next tokens overwrite it (a prompt padded to a bucket length, its
+    padding dropped after the prefill)."""
+    return dataclasses.replace(self, index=jnp.asarray(index, jnp.int32))
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

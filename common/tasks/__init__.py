@@ -28,6 +28,7 @@ MODULES = (
   "nnx_zoo.common.tasks.denoiser",
   "nnx_zoo.common.tasks.speech",
   "nnx_zoo.common.tasks.preference",
+  "nnx_zoo.common.tasks.grpo",
 )
 
 
@@ -81,6 +82,11 @@ class Task:
     eval step (dpo: the reference model's log-probabilities); the batch itself by default."""
     return batch
 
+  def step_metrics(self) -> dict:
+    """What the task measured on the host since it was last asked (grpo: its rollouts' rewards
+    and times), merged into each training line of metrics.jsonl; none by default."""
+    return {}
+
   def generate(self, args, cfg) -> None:
     """`zoo generate --workdir W` of a run of this task (prints or writes what it makes)."""
     raise UserError(f"`zoo generate` has nothing to make for a {self.name} model.")
@@ -124,8 +130,9 @@ def of(cfg) -> Task:
 
 def infer(cfg) -> str:
   """The task of a config that names none, from what it holds: a diffusion section (denoiser), a
-  preference section (dpo), an encoder-decoder of frames (speech) or of tokens (seq2seq), a CLIP
-  pair of towers (contrastive), a classifier head (classifier), else a language model."""
+  preference section (dpo), a grpo section (grpo), an encoder-decoder of frames (speech) or of
+  tokens (seq2seq), a CLIP pair of towers (contrastive), a classifier head (classifier), else a
+  language model."""
   from nnx_zoo.common import models
   from nnx_zoo.common.nn.denoiser import Denoiser
   from nnx_zoo.common.nn.encoder_decoder import EncoderDecoder
@@ -134,6 +141,8 @@ def infer(cfg) -> str:
     return "denoiser"
   if cfg.get("preference") is not None:
     return "dpo"
+  if cfg.get("grpo") is not None:
+    return "grpo"
   model_cls = models.family_module(cfg.model.family).Model
   if issubclass(model_cls, Denoiser):
     return "denoiser"

@@ -67,10 +67,14 @@ def chat(args, cfg):
   graphdef, params, _ = weights.restore_params(cfg, args.workdir)
   options = sampling_options(args)
   rng = options.pop("rng")
+  # Decoding stops at the end of the turn: the end token, or the template's end-of-turn tag
+  # where it is one token (ChatML's <|im_end|>).
+  end_ids = tokenizer.encode_chat(template.end_of_turn)[0] if template.end_of_turn else []
+  stop_ids = (tokenizer.eos_id, *(end_ids if len(end_ids) == 1 else ()))
 
   def answer(messages, rng):
     prompt, _ = tokenizer.encode_chat(template.render(messages, add_generation_prompt=True))
-    out = sampling.generate((graphdef, params), prompt[None], rng=rng, **options)
+    out = sampling.generate((graphdef, params), prompt[None], rng=rng, stop_ids=stop_ids, **options)
     new = out[0, len(prompt) :].tolist()
     if tokenizer.eos_id is not None and tokenizer.eos_id in new:
       new = new[: new.index(tokenizer.eos_id)]

@@ -37,6 +37,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   init_from = None  # a new run from init_from: read and checked before anything is written
   if cfg.init_from and not resuming:
     init_from = weights.init_params(cfg, nnx.state(models.abstract(cfg.model), nnx.Param))
+  kinds.check(cfg)  # the data against the model (its tokenizer, its chat template)
   check_workdir(cfg, workdir)
 
   # Data: what cfg.data.kind's module of common/data/ loads (`load_data`)
@@ -91,6 +92,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         metrics["tokens_per_s"] = (step - since) * tokens_per_step / elapsed
         metrics["examples_per_s"] = (step - since) * cfg.train.batch_size / elapsed
         metrics["lr"] = float(lr_at(step - 1))
+        metrics.update(task.step_metrics())  # what the task measured on the host (grpo)
         t0, since = time.perf_counter(), step
         log.write(step, metrics)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")

@@ -69,3 +69,43 @@ def test_temperature_sampling_stays_in_top_k(top_k):
     assert got <= top
     if top_k > 1:
       assert len(got) > 1  # sampling, not argmax
+
+
+def tiny_decoder():
+  from nnx_zoo.common import models
+  from nnx_zoo.zoo.llama import model as llama
+
+  return models.build(llama.config("tiny", vocab_size=64), seed=3)
+
+
+def test_stop_ids_end_each_row_where_it_stops_and_nothing_else_changes():
+  """A row stops at its first stop token (filled with it after), the rows that do not stop are
+  the tokens they would have been, and padding the prompt to its bucket changes nothing: the
+  same tokens as the stepwise reference, which pads nothing."""
+  model = tiny_decoder()
+  prompt = np.random.default_rng(0).integers(0, 64, (3, 7))
+  free = np.asarray(
+    sampling.generate(model, prompt, max_new_tokens=12, rng=jax.random.key(0), temperature=0)
+  )
+  np.testing.assert_array_equal(free, sampling.generate_stepwise(model, prompt, max_new_tokens=12))
+  stop = int(free[0, 7 + 4])  # row 0's fifth new token
+  got = np.asarray(
+    sampling.generate(
+      model, prompt, max_new_tokens=12, rng=jax.random.key(0), temperature=0, stop_ids=(stop,)
+    )
+  )
+  for row_free, row in zip(free[:, 7:], got[:, 7:], strict=True):
+    hits = np.flatnonzero(row_free == stop)
+    end = hits[0] + 1 if len(hits) else len(row_free)
+    np.testing.assert_array_equal(row[:end], row_free[:end])
+    assert (row[end:] == stop).all()
+
+
+def test_prompts_of_one_bucket_share_a_program():
+  model = tiny_decoder()
+  before = sampling._generate._cache_size()
+  for length in (3, 11, sampling.PROMPT_BUCKET):
+    sampling.generate(
+      model, np.ones((1, length), np.int32), max_new_tokens=4, rng=jax.random.key(0), temperature=0
+    )
+  assert sampling._generate._cache_size() == before + 1

@@ -1,0 +1,469 @@
+"""The grpo task: its advantages and loss against the formulas in numpy (DeepSeekMath's GRPO with
+TRL's loss types), the in-loop sampler against `sampling.generate`, the reward functions' checks,
+a short run through the trainer, and a resumed run's rollouts against an unbroken one's."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from nnx_zoo.common import experiments, models, sampling, tasks
+from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.hub import weights
+from nnx_zoo.common.nn import lora
+from nnx_zoo.common.tasks import grpo, rewards
+from nnx_zoo.common.train import trainer
+
+# A reward a program checks, for the runs below (loaded as `FILE.py:NAME`): the share of the
+# reply's characters that are the record's `letter`.
+REWARDS_PY = """
+def share_of_letter(prompts, completions, letter, **_):
+  out = []
+  for c, l in zip(completions, letter):
+    text = c[0]["content"]
+    out.append(text.count(l) / max(len(text), 1))
+  return out
+"""
+
+
+def smoke(tmp_path, **overrides):
+  """chat/grpo:smoke on prompts written to tmp_path, rewarded by `share_of_letter`."""
+  prompts = [
+    {"prompt": [{"role": "user", "content": f"Say {'ab'[i % 2]} {i} times"}], "letter": "ab"[i % 2]}
+    for i in range(12)
+  ]
+  for name, part in (("train", prompts[:8]), ("eval", prompts[8:])):
+    with open(tmp_path / f"{name}.jsonl", "w") as f:
+      f.writelines(json.dumps(p) + "\n" for p in part)
+  (tmp_path / "rewards.py").write_text(REWARDS_PY)
+  base = {
+    "data.kind": "files",
+    "data.train_files": str(tmp_path / "train.jsonl"),
+    "data.eval_files": str(tmp_path / "eval.jsonl"),
+    "grpo.reward": f"{tmp_path / 'rewards.py'}:share_of_letter",
+  }
+  return experiments.get_config("chat/grpo:smoke", {**base, **overrides})
+
+
+# The formulas
+
+
+def test_advantages_equal_the_formula():
+  r = np.array([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0, -1.0, 3.0, 0.0, 1.0])
+  want = []
+  for group in r.reshape(3, 4):
+    mean = sum(group) / 4
+    std = np.sqrt(sum((x - mean) ** 2 for x in group) / 3)  # unbiased, as torch.std
+    want += [(x - mean) / (std + 1e-4) for x in group]
+  np.testing.assert_allclose(grpo.advantages(r, 4), want, rtol=1e-12)
+  assert np.all(grpo.advantages(r, 4)[4:8] == 0)  # a group whose rewards tie teaches nothing
+  centred = r - np.repeat(r.reshape(3, 4).mean(1), 4)
+  np.testing.assert_allclose(grpo.advantages(r, 4, "none"), centred, rtol=1e-12)
+  np.testing.assert_allclose(grpo.advantages(r, 4, "batch"), centred / (r.std(ddof=1) + 1e-4))
+
+
+def numpy_token_logps(logits, tokens, temperature):
+  """log softmax(logits / temperature)[next token], numpy, float64: [R, L - 1]."""
+  z = logits.astype(np.float64) / temperature
+  z = z - z.max(-1, keepdims=True)
+  logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+  return np.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+@pytest.fixture(scope="module")
+def fixed():
+  """A tiny model and fixed completion rows: 4 rows of a prompt of 3-5 tokens, then a completion
+  of 2-6 tokens, then padding; advantages, old and reference log-probabilities made up."""
+  cfg = experiments.get_config("chat/grpo:smoke")
+  model = models.build(cfg.model, seed=0)
+  rng = np.random.default_rng(0)
+  R, L = 4, 12
+  prompt, kept = np.array([3, 5, 4, 3]), np.array([2, 6, 4, 5])
+  t = np.arange(L)[None]
+  segment_ids = (t < (prompt + kept)[:, None]).astype(np.int32)
+  batch = {
+    "tokens": rng.integers(1, 256, (R, L)).astype(np.int32) * segment_ids,
+    "segment_ids": segment_ids,
+    "loss_weights": ((t >= prompt[:, None]) & (segment_ids > 0)).astype(np.float32),
+    "advantages": np.array([1.5, -0.5, 0.0, -1.0], np.float32),
+  }
+  logits = np.asarray(model(batch["tokens"][:, :-1]))  # one segment a row, from position 0
+  return cfg, model, batch, logits
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_loss_equals_the_formula(fixed, loss_type, beta):
+  cfg, model, batch, logits = fixed
+  settings = grpo.config(loss_type=loss_type, beta=beta, temperature=0.7, epsilon=0.2,
+                         max_new_tokens=6)  # fmt: skip
+  task = grpo.GRPO(settings)
+  logp = numpy_token_logps(logits, batch["tokens"], 0.7)
+  rng = np.random.default_rng(1)
+  # Old log-probabilities apart from the policy's by up to +-0.4: ratios on both sides of the
+  # clip; a reference elsewhere again.
+  old = logp + rng.uniform(-0.4, 0.4, logp.shape)
+  ref = logp + rng.uniform(-1.0, 1.0, logp.shape)
+  batch = dict(batch, old_logps=old.astype(np.float32), reference=ref.astype(np.float32))
+  w = batch["loss_weights"][:, 1:] * (batch["segment_ids"][:, 1:] > 0)
+  ratio = np.exp(logp - old)
+  a = batch["advantages"][:, None].astype(np.float64)
+  loss = -np.minimum(ratio * a, np.clip(ratio, 0.8, 1.2) * a)
+  if beta:
+    loss = loss + beta * (np.exp(ref - logp) - (ref - logp) - 1)
+  if loss_type == "dapo":
+    want, want_count = (loss * w).sum(), w.sum()
+  elif loss_type == "grpo":
+    want, want_count = ((loss * w).sum(1) / w.sum(1)).sum(), len(w)
+  else:
+    want, want_count = (loss * w).sum(), len(w) * 6
+  total, count = task.loss_sums(model, batch)
+  assert float(count) == want_count
+  np.testing.assert_allclose(float(total), want, rtol=2e-5)
+
+
+def test_ratio_is_one_without_old_logps(fixed):
+  """num_iterations 1 (TRL's default): pi_old is the policy detached, so the loss is -A a token
+  and its gradient is -A * grad log pi."""
+  cfg, model, batch, _ = fixed
+  task = grpo.GRPO(grpo.config(max_new_tokens=6))
+  total, count = task.loss_sums(model, batch)
+  w = batch["loss_weights"][:, 1:] * (batch["segment_ids"][:, 1:] > 0)
+  want = -(batch["advantages"][:, None] * w).sum()
+  np.testing.assert_allclose(float(total), want, rtol=1e-6, atol=1e-6)
+
+
+# The sampler
+
+
+def test_rollouts_at_temperature_0_equal_generate():
+  """`continue_rows` (prompts of different lengths left-aligned, one prefill, the rest forced)
+  at temperature 0 gives each prompt the tokens `sampling.generate` (`zoo generate`) does."""
+  cfg = experiments.get_config("chat/grpo:smoke")
+  model = models.build(cfg.model, seed=0)
+  graphdef, params = nnx.split(model)
+  rng = np.random.default_rng(0)
+  lengths = np.array([3, 7, 5, 10])
+  P, N = 10, 6
+  prompts = rng.integers(0, 256, (4, P)).astype(np.int32) * (np.arange(P)[None] < lengths[:, None])
+  keys = jax.vmap(jax.random.key)(jnp.arange(4, dtype=jnp.uint32))
+  out = sampling.continue_rows(
+    params, prompts, lengths, keys, graphdef=graphdef, prefill=3, max_new_tokens=N, temperature=0.0
+  )
+  out = np.asarray(out)
+  for b, n in enumerate(lengths):
+    want = sampling.generate(model, prompts[b : b + 1, :n], max_new_tokens=N, rng=jax.random.key(0),
+                             temperature=0)  # fmt: skip
+    np.testing.assert_array_equal(out[b, : n + N], np.asarray(want)[0])
+
+
+def test_rollout_rows_do_not_depend_on_their_neighbours():
+  """A row's sampled tokens come from its own key: the same alone as beside other rows."""
+  cfg = experiments.get_config("chat/grpo:smoke")
+  graphdef, params = nnx.split(models.build(cfg.model, seed=0))
+  prompts = np.tile(np.arange(1, 9, dtype=np.int32), (3, 1))
+  lengths = np.array([8, 5, 6])
+  keys = jax.vmap(jax.random.key)(jnp.array([7, 8, 9], jnp.uint32))
+  kw = dict(graphdef=graphdef, prefill=5, max_new_tokens=5, temperature=1.0)
+  both = np.asarray(sampling.continue_rows(params, prompts, lengths, keys, **kw))
+  alone = np.asarray(sampling.continue_rows(params, prompts[1:2], lengths[1:2], keys[1:2], **kw))
+  np.testing.assert_array_equal(both[1, : 5 + 5], alone[0, : 5 + 5])  # its prompt, its 5 tokens
+
+
+def test_rollouts_end_early_once_every_row_has_stopped():
+  """With stop ids, each row's tokens up to its first stop are those of the full loop; the loop
+  ends once every row has one (here each row's first new token is a stop)."""
+  cfg = experiments.get_config("chat/grpo:smoke")
+  graphdef, params = nnx.split(models.build(cfg.model, seed=0))
+  rng = np.random.default_rng(1)
+  lengths = np.array([4, 9, 6])
+  prompts = rng.integers(1, 256, (3, 9)).astype(np.int32) * (np.arange(9)[None] < lengths[:, None])
+  keys = jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32))
+  kw = dict(graphdef=graphdef, prefill=4, max_new_tokens=6, temperature=0.0)
+  full = np.asarray(sampling.continue_rows(params, prompts, lengths, keys, **kw))
+  first = full[np.arange(3), lengths]  # each row's first new token
+  stops = tuple(sorted({int(t) for t in first}))
+  early = np.asarray(sampling.continue_rows(params, prompts, lengths, keys, stop_ids=stops, **kw))
+  for b, n in enumerate(lengths):
+    np.testing.assert_array_equal(early[b, : n + 1], full[b, : n + 1])
+  assert (early[:, -1] == 0).all()  # never written: the loop ended long before
+
+
+def test_completions_end_at_the_end_of_turn():
+  stops = [np.array([60, 124, 101]), np.array([0])]
+  assert grpo.end_of(np.array([5, 6, 60, 124, 101, 9]), stops) == (2, 5)
+  assert grpo.end_of(np.array([5, 0, 60, 124, 101]), stops) == (1, 2)  # the first stop
+  assert grpo.end_of(np.array([5, 6, 60, 124]), stops) is None  # cut inside it: truncated
+
+
+# Rewards
+
+
+def test_reward_specs_load_with_weights(tmp_path):
+  (tmp_path / "mine.py").write_text(REWARDS_PY)
+  spec = f"nnx_zoo.common.tasks.rewards:exact_answer@2, {tmp_path / 'mine.py'}:share_of_letter"
+  loaded = rewards.load(spec)
+  assert [(r.name, r.weight) for r in loaded] == [("exact_answer", 2.0), ("share_of_letter", 1.0)]
+  for bad, says in [
+    ("", "needs a reward"),
+    ("nnx_zoo.common.tasks.rewards", "names no function"),
+    ("nnx_zoo.common.tasks.rewards:nothing", "has no function 'nothing'"),
+    (f"{tmp_path / 'none.py'}:f", "is not a file"),
+    ("nnx_zoo.common.tasks.rewards:exact_answer@x", "not a number"),
+  ]:
+    with pytest.raises(UserError, match=says):
+      rewards.load(bad)
+
+
+def test_bad_rewards_stop_with_the_function_named():
+  def raises(prompts, completions, **_):
+    raise KeyError("answer")
+
+  def short(prompts, completions, **_):
+    return [1.0]
+
+  def nan(prompts, completions, **_):
+    return [1.0, float("nan")]
+
+  def none(prompts, completions, **_):
+    return [None, 1.0]
+
+  prompts, completions = [[], []], [[{"role": "assistant", "content": "x"}]] * 2
+  for fn, says in [
+    (raises, "reward raises raised KeyError"),
+    (short, "reward short returned 1 values for 2 completions"),
+    (nan, "reward nan returned nan for completion 1"),
+    (none, "reward none returned None for completion 0"),
+  ]:
+    with pytest.raises(UserError, match=says):
+      rewards.score([rewards.Reward(fn.__name__, fn)], prompts, completions, {})
+  ok = rewards.Reward("exact_answer", rewards.exact_answer)
+  got = rewards.score([ok], prompts, completions, {"answer": [" x ", "y"]})
+  np.testing.assert_array_equal(got, [[1.0, 0.0]])
+
+
+# Training
+
+
+def test_refuses_what_it_cannot_train(tmp_path):
+  cfg = smoke(tmp_path, **{"grpo.group_size": "1"})
+  with pytest.raises(UserError, match="group needs 2"):
+    tasks.of(cfg)
+  cfg = smoke(tmp_path, **{"data.format": "chat"})
+  with pytest.raises(UserError, match="data.format=prompts"):
+    tasks.of(cfg)
+  cfg = smoke(tmp_path, **{"grpo.beta": "0.1"})
+  cfg.init_from = ""  # a KL to a reference that is not there (a config that declares its model)
+  with pytest.raises(UserError, match="init_from"):
+    trainer.train(cfg, str(tmp_path / "run"), progress=False)
+
+
+@pytest.mark.slow
+def test_a_raising_reward_stops_the_run_and_keeps_the_checkpoint(tmp_path):
+  """The reward fails at step 3: the run stops with its error, step 2's checkpoint stays."""
+  (tmp_path / "flaky.py").write_text(
+    "calls = []\n"
+    "def flaky(prompts, completions, **_):\n"
+    "  calls.append(1)\n"
+    "  if len(calls) == 3:\n"
+    "    raise ValueError('no answer key')\n"
+    "  return [0.0] * len(completions)\n"
+  )
+  cfg = smoke(tmp_path, **{"grpo.reward": f"{tmp_path / 'flaky.py'}:flaky", "train.steps": "4"})
+  with pytest.raises(UserError, match="reward flaky raised ValueError: no answer key"):
+    trainer.train(cfg, str(tmp_path / "run"), progress=False)
+  assert "2" in os.listdir(tmp_path / "run" / "checkpoints")
+
+
+def rollouts(monkeypatch, stop_at=None) -> list[np.ndarray]:
+  """The completion rows of every training step from now on (their tokens); with `stop_at`,
+  the run stops (a UserError) as that many steps have been sampled."""
+  seen = []
+  complete = grpo.GRPO.complete
+
+  def recording(self, batch, params):
+    if stop_at is not None and len(seen) == stop_at and "seed" in batch:
+      raise UserError("stopped by the test")
+    out = complete(self, batch, params)
+    if "advantages" in out:
+      seen.append(np.asarray(out["tokens"]))
+    return out
+
+  monkeypatch.setattr(grpo.GRPO, "complete", recording)
+  return seen
+
+
+@pytest.mark.slow
+def test_trains_and_logs_its_rewards(tmp_path, monkeypatch):
+  """A few steps through the trainer: the training lines carry the rewards (total and by
+  function), the completions' length, the share truncated and the times (Task.step_metrics);
+  the eval lines the greedy replies' mean reward; each step's rows are groups of 4 completions
+  of one prompt."""
+  seen = rollouts(monkeypatch)
+  cfg = smoke(tmp_path)
+  last = trainer.train(cfg, str(tmp_path / "run"), progress=False)
+  assert np.isfinite(last["loss"])
+  with open(tmp_path / "run" / "metrics.jsonl") as f:
+    lines = [json.loads(line) for line in f]
+  train = [r for r in lines if "split" not in r]
+  evals = [r for r in lines if r.get("split") == "eval"]
+  for r in train:
+    for key in ("reward", "reward_std", "reward/share_of_letter", "completion_length",
+                "truncated", "clip_ratio", "sample_s", "train_s", "reward_s"):  # fmt: skip
+      assert key in r and np.isfinite(r[key]), (key, r)
+    assert 0 <= r["reward"] <= 1 and r["completion_length"] <= cfg.grpo.max_new_tokens
+    assert r["clip_ratio"] == 0  # one update per rollout: the ratio is 1
+  assert {"reward", "reward/share_of_letter", "completion_length"} <= set(evals[-1])
+  assert evals[-1]["prompts"] == 4 and evals[-1]["loss"] == -evals[-1]["reward"]
+  assert len(seen) == cfg.train.steps
+  B, G = cfg.train.batch_size, cfg.grpo.group_size
+  for tokens in seen:
+    assert tokens.shape == (B * G, cfg.data.seq_len + cfg.grpo.max_new_tokens)
+    prompts = tokens[:, :10].reshape(B, G, 10)  # each group shares its prompt's start
+    assert (prompts == prompts[:, :1]).all()
+
+
+@pytest.mark.slow
+def test_a_resumed_run_draws_the_same_rollouts(tmp_path, monkeypatch):
+  """4 steps straight, against 2 steps, stop, and 2 more resumed from the checkpoint: steps 3
+  and 4 sample the same tokens, bit for bit."""
+  cfg = smoke(tmp_path, **{"train.steps": "4", "train.checkpoint_every": "2"})
+  straight = rollouts(monkeypatch)
+  trainer.train(cfg, str(tmp_path / "straight"), progress=False)
+  monkeypatch.undo()
+  seen = rollouts(monkeypatch, stop_at=2)
+  with pytest.raises(UserError, match="stopped by the test"):
+    trainer.train(cfg, str(tmp_path / "resumed"), progress=False)
+  monkeypatch.undo()
+  rest = rollouts(monkeypatch)
+  trainer.train(cfg, str(tmp_path / "resumed"), progress=False)
+  seen += rest
+  assert len(seen) == 4
+  for a, b in zip(straight, seen, strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(straight[2], straight[3])  # steps do draw anew
+
+
+# A worker run in a subprocess (its own device count): trains chat/grpo:smoke with the overrides
+# given as JSON, and prints each step's rollout tokens and the metrics lines.
+WORKER = """
+import json, os, sys
+import numpy as np
+from nnx_zoo.common import experiments
+from nnx_zoo.common.tasks import grpo
+from nnx_zoo.common.train import trainer
+seen, complete = [], grpo.GRPO.complete
+def recording(self, batch, params):
+  out = complete(self, batch, params)
+  if "advantages" in out:
+    seen.append(np.asarray(out["tokens"]).tolist())
+  return out
+grpo.GRPO.complete = recording
+cfg = experiments.get_config("chat/grpo:smoke", json.loads(sys.argv[1]))
+trainer.train(cfg, sys.argv[2], progress=False)
+with open(os.path.join(sys.argv[2], "metrics.jsonl")) as f:
+  print(json.dumps({"tokens": seen, "lines": [json.loads(line) for line in f]}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multidevice
+def test_a_data_x_fsdp_mesh_steps_as_one_device(tmp_path):
+  """On 8 fake CPU devices, mesh data=2 x fsdp=4 (the rollouts sampled with the params sharded
+  as the step stores them, the rows split over the batch axes): the same rollouts, rewards,
+  losses and gradient norms as one device's, step by step."""
+  import subprocess
+  import sys
+
+  cfg = smoke(tmp_path, **{"train.batch_size": "8", "train.steps": "2"})
+  overrides = {
+    "data.kind": "files",
+    "data.train_files": cfg.data.train_files,
+    "data.eval_files": cfg.data.eval_files,
+    "grpo.reward": cfg.grpo.reward,
+    "train.batch_size": "8",
+    "train.steps": "2",
+    "train.eval_every": "2",
+  }
+  out = {}
+  for devices, mesh in ((1, {}), (8, {"mesh.data": "2", "mesh.fsdp": "4"})):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    args = [json.dumps({**overrides, **mesh}), str(tmp_path / f"run{devices}")]
+    proc = subprocess.run([sys.executable, "-P", "-c", WORKER, *args], env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out[devices] = json.loads(proc.stdout.strip().splitlines()[-1])
+  one, eight = out[1], out[8]
+  assert len(one["tokens"]) == 2
+  np.testing.assert_array_equal(np.array(one["tokens"]), np.array(eight["tokens"]))
+  for a, b in zip(one["lines"], eight["lines"], strict=True):
+    assert a["step"] == b["step"] and a.get("split") == b.get("split")
+    for key in ("reward", "reward/share_of_letter", "completion_length", "truncated"):
+      assert a[key] == b[key], key
+    for key in ("loss", "grad_norm"):
+      if key in a:
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.slow
+def test_reference_is_init_from_and_under_lora_the_base(tmp_path):
+  """grpo.beta > 0: `complete` adds the init_from model's log-probabilities of the completion
+  rows (sampled with the params it is given); under LoRA, the base's (the params with their
+  adapters at zero), however far the adapters have moved. A run logs the KL (0 while the
+  policy is the reference)."""
+  start = smoke(tmp_path, **{"train.steps": "1"})
+  trainer.train(start, str(tmp_path / "start"), progress=False)
+  overrides = {"grpo.beta": "0.1", "init_from": str(tmp_path / "start")}
+  cfg = smoke(tmp_path, **overrides)
+  data = trainer.load_data(cfg)
+  batch = {k: np.asarray(v) for k, v in next(data.iterator).items()}
+  graphdef, loaded = weights.init_from_params(cfg)
+
+  def logps(rows):
+    return np.asarray(grpo.token_logps(nnx.merge(graphdef, loaded), rows, cfg.grpo.temperature))
+
+  task = tasks.of(cfg).prepare(data, cfg=cfg)
+  fresh = nnx.state(models.build(cfg.model, seed=3), nnx.Param)  # not the reference
+  rows = task.complete(batch, fresh)
+  np.testing.assert_allclose(rows["reference"], logps(rows), rtol=1e-5, atol=1e-6)
+
+  lora_cfg = smoke(tmp_path, **overrides, **{"model.lora.rank": "4"})
+  task = tasks.of(lora_cfg).prepare(data, cfg=lora_cfg)
+  assert task._reference is None  # no second copy of the base
+  lora_graphdef, lora_loaded = weights.init_from_params(lora_cfg)
+  adapters, base = nnx.split_state(lora_loaded, lora.LoRAParam, ...)
+  moved = nnx.merge_state(jax.tree.map(lambda x: x + 0.5, adapters), base)
+  rows = task.complete(batch, moved)
+  moved_logps = grpo.token_logps(nnx.merge(lora_graphdef, moved), rows)
+  assert np.abs(np.asarray(moved_logps) - logps(rows)).max() > 0.1  # the adapters do move it
+  np.testing.assert_allclose(rows["reference"], logps(rows), rtol=1e-5, atol=1e-6)
+
+  run = smoke(tmp_path, **overrides, **{"train.steps": "1"})
+  trainer.train(run, str(tmp_path / "run"), progress=False)
+  with open(tmp_path / "run" / "metrics.jsonl") as f:
+    line = json.loads(f.readline())
+  assert 0 <= line["kl"] < 1e-5
+
+
+@pytest.mark.slow
+def test_trains_a_hugging_face_checkpoint_with_its_chatml_template(tmp_path):
+  """init_from a Hugging Face directory (the tiny random Llama with a BPE tokenizer and ChatML,
+  as SmolLM2-Instruct has): its template renders the prompts, its one-token <|im_end|> ends the
+  completions (and the sampler's loop), and it is the reference of a KL (0 at the start)."""
+  tiny = pytest.importorskip("nnx_zoo.common.hub.tiny")
+  path = tiny.checkpoint("tiny:llama")
+  src = weights.source(path)
+  cfg = smoke(tmp_path, **{"grpo.beta": "0.04", "data.chat_template": "", "data.seq_len": "32"})
+  cfg.model, cfg.data.tokenizer, cfg.init_from = src.model, src.tokenizer, path
+  task = tasks.of(cfg).prepare(trainer.load_data(cfg), cfg=cfg)
+  end = task._tokenizer.encode_chat("<|im_end|>")[0]
+  assert len(end) == 1 and end[0] in task._sampling["stop_ids"]
+  trainer.train(cfg, str(tmp_path / "run"), progress=False)
+  with open(tmp_path / "run" / "metrics.jsonl") as f:
+    lines = [json.loads(line) for line in f]
+  assert lines[0]["kl"] < 1e-6 and all(np.isfinite(r["loss"]) for r in lines)
+  assert lines[-1]["split"] == "eval" and 0 <= lines[-1]["reward"] <= 1
