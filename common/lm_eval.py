@@ -1,0 +1,429 @@
+"""`zoo lm-eval`: EleutherAI's lm-evaluation-harness on a zoo decoder. `ZooLM` is an lm-eval
+`LM` whose requests run batched and compiled, padded into a few length buckets, so a task
+compiles a handful of programs; it scores as lm-eval's `hf` backend does (same tokenization,
+windows, truncation and stop strings), to 1e-4 on the same weights."""
+
+import difflib
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nnx_zoo.common import sampling
+from nnx_zoo.common.errors import UserError
+
+DEFAULT_MAX_LENGTH = 2048  # lm-eval's, for a model whose config names no context length
+DECODE_STEPS = 16  # greedy steps per compiled call; stop strings are checked between calls
+
+
+def _import_lm_eval():
+  try:
+    import lm_eval  # noqa: F401
+  except ImportError:
+    raise UserError(
+      "`zoo lm-eval` needs EleutherAI's lm-evaluation-harness: pip install nnx-zoo[lm-eval]"
+    ) from None
+  return lm_eval
+
+
+def bucket(n: int, *, minimum: int = 16) -> int:
+  """The padded length for `n` tokens: the next of 16, 24, 32, 48, 64, 96, ... (powers of two
+  and 1.5x them, so a row wastes at most a third)."""
+  size = minimum
+  while size < n:
+    size = size * 3 // 2 if size & (size - 1) == 0 else size // 3 * 4
+  return size
+
+
+def batch_rows(n: int, batch_size: int) -> int:
+  """The rows of a batch holding `n` requests: the next power of two, at most `batch_size` (a
+  task's last, short batch compiles a smaller program rather than computing empty rows)."""
+  return min(batch_size, 1 << max(n - 1, 0).bit_length())
+
+
+def bucket_below(n: int) -> int:
+  """The largest bucket length at most `n` (0 below 16): a prefill a batch's rows all fill."""
+  size, below = 16, 0
+  while size <= n:
+    size, below = bucket(size + 1), size
+  return below
+
+
+# --- the compiled programs: one per (batch, bucket) shape ---
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _score(params, tokens_BT, targets_BT, mask_BT, *, graphdef):
+  """Per row, the summed log-probability (log_softmax in float32, read at the targets) of the
+  masked targets, and whether every masked target is the argmax."""
+  logits_BTV = nnx.merge(graphdef, params)(tokens_BT).astype(jnp.float32)
+  logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+  logp_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0] - logz_BT
+  greedy_BT = jnp.argmax(logits_BTV, axis=-1) == targets_BT
+  return jnp.sum(jnp.where(mask_BT, logp_BT, 0.0), axis=1), jnp.all(greedy_BT | ~mask_BT, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prefill"))
+def _prefill(params, buffer_BS, *, graphdef, prefill):
+  """A KV cache of the buffer's length holding its first `prefill` tokens (every row's prompt
+  is at least that long, so no row attends to padding)."""
+  model = nnx.merge(graphdef, params)
+  cache = model.init_cache(buffer_BS.shape[0], buffer_BS.shape[1])
+  if prefill:
+    _, cache = model(buffer_BS[:, :prefill], cache=cache)
+  return cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("cache",))
+def _decode(params, buffer_BS, lengths_B, cache, t, *, graphdef, steps):
+  """`steps` greedy steps from position `t`: each feeds buffer[:, t] and writes its argmax at
+  t + 1 where that is past the row's prompt (a row still in its prompt is fed the prompt's next
+  token). Rows of different prompt lengths share the cache's one index and stay exact: each
+  row's prompt starts at 0 and it never sees its right padding."""
+  model = nnx.merge(graphdef, params)
+  greedy = functools.partial(sampling.sample_logits, temperature=0.0, top_k=0, top_p=1.0)
+
+  def step(_, carry):
+    buffer_BS, cache, t = carry
+    token_B = jax.lax.dynamic_index_in_dim(buffer_BS, t, axis=1, keepdims=False)
+    logits_B1V, cache = model(token_B[:, None], cache=cache)
+    next_B = greedy(logits_B1V[:, 0], None).astype(buffer_BS.dtype)
+    old_B = jax.lax.dynamic_index_in_dim(buffer_BS, t + 1, axis=1, keepdims=False)
+    new_B = jnp.where(t + 1 >= lengths_B, next_B, old_B)
+    buffer_BS = jax.lax.dynamic_update_index_in_dim(buffer_BS, new_B, t + 1, axis=1)
+    return buffer_BS, cache, t + 1
+
+  return jax.lax.fori_loop(0, steps, step, (buffer_BS, cache, t))
+
+
+# --- the lm-eval model ---
+
+
+@functools.cache
+def _lm_class():
+  """`ZooLM`, defined once lm-eval is importable (it is an optional extra)."""
+  _import_lm_eval()
+  from lm_eval.api.model import TemplateLM
+  from lm_eval.models import utils as lm_utils
+  from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+  class ZooLM(TemplateLM):
+    """A zoo decoder as lm-eval's `LM`: loglikelihood, loglikelihood_rolling, generate_until.
+
+    Rows are sorted by length and padded on the right into buckets (`bucket`) and batches of
+    `batch_size` rows (a short last batch to a power of two: `batch_rows`), so each bucket
+    compiles once or a few times. Log-likelihoods as the `hf` backend computes them: the same
+    tokens (`tok_encode`, `_encode_pair`, the prefix token for an empty context, rolling windows
+    of `max_length`), left-truncated to `max_length`. Generation is greedy with the KV cache,
+    cut at the end token and then at the `until` strings."""
+
+    def __init__(self, graphdef, params, tokenizer, *, max_length, batch_size, prefix_id, eos_ids):
+      super().__init__()
+      self.graphdef, self.params, self.tok = graphdef, params, tokenizer
+      self._max_length, self._batch_size = max_length, batch_size
+      self._prefix_id, self.eos_ids = prefix_id, tuple(eos_ids)
+
+    @property
+    def max_length(self) -> int:
+      return self._max_length
+
+    @property
+    def eot_token_id(self):
+      return self.tok.eos_id
+
+    @property
+    def prefix_token_id(self):
+      if self._prefix_id is None:
+        raise UserError(
+          "The tokenizer has neither a BOS nor an EOS token, which this task needs before an "
+          "empty context or a document: use a tokenizer that names one."
+        )
+      return self._prefix_id
+
+    def tok_encode(self, string, add_special_tokens=None, **kwargs):
+      hf = getattr(self.tok, "tok", None)  # a Hugging Face tokenizer: special tokens as hf adds
+      if hf is None:
+        return self.tok.encode(string).tolist()
+      if add_special_tokens is None:  # as the hf backend: no BOS twice
+        bos = None if self._prefix_id is None else self.tok.token_text(self._prefix_id)
+        add_special_tokens = not lm_utils.has_bos_prefix(string, bos)
+      return list(hf.encode(string, add_special_tokens=add_special_tokens).ids)
+
+    # loglikelihood (TemplateLM's: encode the pairs, then score their tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
+      rows = []
+      for _, context, continuation in requests:
+        whole = (list(context) + list(continuation))[-(self.max_length + 1) :]
+        rows.append((whole[:-1], whole[1:], len(continuation)))
+      results = self._score_rows(rows)
+      for (key, _, _), answer in zip(requests, results, strict=True):
+        if key is not None:
+          self.cache_hook.add_partial("loglikelihood", key, answer)
+      return results
+
+    def _score_rows(self, rows):
+      """(summed log-probability, all greedy) of each (tokens, targets, num scored) row."""
+      B = self._batch_size
+      order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+      out = [None] * len(rows)
+      start = 0
+      while start < len(order):
+        T = bucket(len(rows[order[start]][0]))
+        batch = [order[start]]
+        while len(batch) < B and start + len(batch) < len(order):
+          i = order[start + len(batch)]
+          if bucket(len(rows[i][0])) != T:
+            break
+          batch.append(i)
+        rows_B = batch_rows(len(batch), B)
+        tokens_BT = np.zeros((rows_B, T), np.int32)
+        targets_BT = np.zeros((rows_B, T), np.int32)
+        mask_BT = np.zeros((rows_B, T), bool)
+        for b, i in enumerate(batch):
+          tokens, targets, scored = rows[i]
+          n = len(tokens)
+          tokens_BT[b, :n], targets_BT[b, :n] = tokens, targets
+          mask_BT[b, n - scored : n] = True
+        logp_B, greedy_B = _score(
+          self.params, tokens_BT, targets_BT, mask_BT, graphdef=self.graphdef
+        )
+        logp_B, greedy_B = np.asarray(logp_B), np.asarray(greedy_B)
+        for b, i in enumerate(batch):
+          out[i] = (float(logp_B[b]), bool(greedy_B[b]))
+        start += len(batch)
+      return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+      rows, owner = [], []
+      for r, (string,) in enumerate(req.args for req in requests):
+        windows = get_rolling_token_windows(
+          token_list=self.tok_encode(string),
+          prefix_token=self.prefix_token_id,
+          max_seq_len=self.max_length,
+          context_len=1,
+        )
+        for context, continuation in map(make_disjoint_window, windows):
+          whole = (context + continuation)[-(self.max_length + 1) :]
+          rows.append((whole[:-1], whole[1:], len(continuation)))
+          owner.append(r)
+      totals = [0.0] * len(requests)
+      for r, (logp, _) in zip(owner, self._score_rows(rows), strict=True):
+        totals[r] += logp
+      for req, total in zip(requests, totals, strict=True):
+        self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+      return totals
+
+    # generate_until
+
+    def generate_until(self, requests, disable_tqdm=False):
+      groups = {}  # requests with the same generation arguments, in order
+      for i, req in enumerate(requests):
+        context, gen_kwargs = req.args
+        groups.setdefault(json.dumps(gen_kwargs, sort_keys=True, default=str), []).append(i)
+      out = [None] * len(requests)
+      eos_text = None if self.tok.eos_id is None else self.tok.token_text(self.tok.eos_id)
+      for indices in groups.values():
+        kwargs = lm_utils.normalize_gen_kwargs(requests[indices[0]].args[1], 256)
+        if kwargs.get("do_sample") and kwargs.get("temperature", 0.0) > 0:
+          raise UserError(
+            "The task samples (do_sample with a temperature): `zoo lm-eval` decodes greedily; "
+            "set do_sample: false in the task's generation_kwargs."
+          )
+        until = lm_utils.handle_stop_sequences(kwargs.get("until"), eos=eos_text)
+        max_new = int(kwargs["max_gen_toks"])
+        max_prompt = self.max_length - max_new
+        if max_prompt <= 0:
+          raise UserError(
+            f"The task generates up to {max_new} tokens, more than the model's context "
+            f"({self.max_length})."
+          )
+        prompts = {i: self.tok_encode(requests[i].args[0])[-max_prompt:] for i in indices}
+        order = sorted(indices, key=lambda i: -len(prompts[i]))
+        for start in range(0, len(order), self._batch_size):
+          batch = order[start : start + self._batch_size]
+          texts = self._generate([prompts[i] for i in batch], max_new, until)
+          for i, text in zip(batch, texts, strict=True):
+            out[i] = text
+            self.cache_hook.add_partial("generate_until", requests[i].args, text)
+      return out
+
+    def _generate(self, prompts, max_new, until):
+      """Greedy continuations of token lists `prompts`, each decoded and cut at `until`."""
+      B = batch_rows(len(prompts), self._batch_size)
+      shortest = min(len(p) for p in prompts)
+      lengths = [len(p) for p in prompts] + [shortest] * (B - len(prompts))  # empty rows
+      S = bucket(max(lengths) + max_new + DECODE_STEPS)
+      buffer_BS = np.zeros((B, S), np.int32)
+      for b, prompt in enumerate(prompts):
+        buffer_BS[b, : len(prompt)] = prompt
+      # Prefill what every row holds (but its last prompt token: the steps feed that one).
+      t = bucket_below(min(lengths) - 1)
+      cache = _prefill(self.params, buffer_BS, graphdef=self.graphdef, prefill=t)
+      lengths_B = np.asarray(lengths, np.int32)
+      buffer_BS, t = jnp.asarray(buffer_BS), jnp.asarray(t, jnp.int32)
+      done = [False] * len(prompts)
+      while not all(done):
+        buffer_BS, cache, t = _decode(
+          self.params, buffer_BS, lengths_B, cache, t, graphdef=self.graphdef, steps=DECODE_STEPS
+        )
+        host, position = np.asarray(buffer_BS), int(t)
+        for b, n in enumerate(lengths[: len(prompts)]):
+          new = self._cut(host[b, n : min(position + 1, n + max_new)])
+          full = len(new) == max_new or position + 1 >= n + max_new
+          done[b] = full or len(new) < position + 1 - n or self._stops(new, until)
+      host = np.asarray(buffer_BS)
+      return [
+        lm_utils.postprocess_generated_text(
+          self.tok.decode(self._cut(host[b, n : n + max_new])), stop=until, think_end_token=None
+        )
+        for b, n in enumerate(lengths[: len(prompts)])
+      ]
+
+    def _cut(self, ids) -> list[int]:
+      """`ids` up to (without) the first end token: hf's generate stops a row there."""
+      ids = [int(i) for i in ids]
+      ends = [ids.index(e) for e in self.eos_ids if e in ids]
+      return ids[: min(ends)] if ends else ids
+
+    def _stops(self, ids, until) -> bool:
+      text = self.tok.decode(ids)
+      return any(s and s in text for s in until)
+
+  return ZooLM
+
+
+# --- the command ---
+
+
+def check_tasks(task_manager, names: list[str]) -> list[str]:
+  """`names` as lm-eval knows them (globs expanded); an unknown one is a UserError naming the
+  closest known names."""
+  known = task_manager.all_tasks
+  out = []
+  for name in names:
+    matched = [name] if name in known else task_manager.match_tasks([name])
+    if not matched:
+      close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+      hint = f"; did you mean {', '.join(close)}?" if close else ""
+      raise UserError(
+        f"lm-eval has no task {name!r}{hint} (`lm-eval ls tasks` lists them; --include-path DIR "
+        "adds a folder of task YAML files)."
+      )
+    out += [m for m in matched if m not in out]
+  return out
+
+
+def read_config(workdir: str):
+  """The workdir's config.json, refusing a model that is not a decoder LM."""
+  from nnx_zoo.common import config as config_lib
+  from nnx_zoo.common import tasks
+
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise UserError(
+      f"{workdir} has no config.json: give the --workdir of a `zoo run` or `zoo convert hf`."
+    )
+  with open(path) as f:
+    cfg = config_lib.from_json(f.read())
+  task = tasks.of(cfg).name
+  if task not in ("language_model", "dpo"):
+    raise UserError(f"`zoo lm-eval` scores a decoder LM; {workdir} holds a {task} model.")
+  return cfg
+
+
+def _max_length(cfg) -> int:
+  """The context lm-eval's hf backend gives the model: its HF config's, else the run's rows."""
+  source = cfg.source.config.to_dict() if "source" in cfg and "config" in cfg.source else {}
+  source = source.get("text_config") or source
+  for key in ("n_positions", "max_position_embeddings", "n_ctx"):
+    if source.get(key):
+      return int(source[key])
+  seq_len = cfg.get("data", {}).get("seq_len", 0)
+  return int(seq_len) if seq_len else DEFAULT_MAX_LENGTH
+
+
+def _eos_ids(cfg, workdir: str, tokenizer) -> list[int]:
+  """Where generation stops: generation_config.json's end tokens, as hf's generate reads
+  them (else the HF config's), else the tokenizer's."""
+  from nnx_zoo.common.hub import generation
+
+  config = generation.read(workdir)
+  if config is None and "source" in cfg and "config" in cfg.source:
+    config = cfg.source.config.to_dict()
+  value = (config or {}).get("eos_token_id")
+  if value is not None:
+    return [int(i) for i in (value if isinstance(value, list | tuple) else [value])]
+  return [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+
+
+def load_lm(workdir: str, *, batch_size: int = 16, cfg=None):
+  """The workdir's model and tokenizer as an lm-eval `LM`."""
+  from nnx_zoo.common.data import tokenizers
+  from nnx_zoo.common.hub import weights
+
+  cfg = cfg or read_config(workdir)
+  tokenizer = tokenizers.load(cfg.data.tokenizer)
+  bos = tokenizers.special_tokens(cfg.data.tokenizer).get("bos_token")
+  hf = getattr(tokenizer, "tok", None)  # a Hugging Face tokenizer's BOS, as hf's prefix token
+  bos_id = hf.token_to_id(bos) if hf is not None and bos else None
+  graphdef, params, _ = weights.restore_params(cfg, workdir)
+  return _lm_class()(
+    graphdef,
+    params,
+    tokenizer,
+    max_length=_max_length(cfg),
+    batch_size=batch_size,
+    prefix_id=bos_id if bos_id is not None else tokenizer.eos_id,
+    eos_ids=_eos_ids(cfg, workdir, tokenizer),
+  )
+
+
+def run(
+  workdir: str,
+  tasks: list[str],
+  *,
+  include_path: str | None = None,
+  num_fewshot: int | None = None,
+  limit: float | None = None,
+  batch_size: int = 16,
+  output_path: str | None = None,
+) -> dict:
+  """Evaluates the workdir's model on lm-eval `tasks`; prints lm-eval's table and writes its
+  results JSON to `output_path` (default WORKDIR/lm_eval/results.json). Returns the results."""
+  lm_eval = _import_lm_eval()
+  from lm_eval.tasks import TaskManager
+  from lm_eval.utils import handle_non_serializable, make_table
+
+  if batch_size < 1:
+    raise UserError("--batch-size must be at least 1.")
+  if include_path is not None and not os.path.isdir(include_path):
+    raise UserError(f"--include-path {include_path!r} is not a folder of task YAML files.")
+  cfg = read_config(workdir)
+  manager = TaskManager(include_path=include_path)
+  names = check_tasks(manager, tasks)
+  lm = load_lm(workdir, batch_size=batch_size, cfg=cfg)
+  results = lm_eval.simple_evaluate(
+    model=lm,
+    tasks=names,
+    num_fewshot=num_fewshot,
+    limit=limit,
+    task_manager=manager,
+    log_samples=False,
+  )
+  results["config"].update(model="nnx-zoo", model_args=f"workdir={os.path.abspath(workdir)}")
+  print(make_table(results))
+  if "groups" in results:
+    print(make_table(results, "groups"))
+  output_path = output_path or os.path.join(workdir, "lm_eval", "results.json")
+  os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+  tmp = f"{output_path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(results, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
+  os.replace(tmp, output_path)
+  print(f"# results: {output_path}")
+  return results
