@@ -175,6 +175,7 @@ ADDED_LATER = {
   "data.loss_on": "assistant",
   "data.rejected": "",
   "data.rejected_max_tokens": 64,
+  "data.max_records": 0,
 }
 
 

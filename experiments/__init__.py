@@ -19,6 +19,7 @@ REGISTRY = {
     "chat/sft": "nnx_zoo.experiments.chat.sft",
     "chat/smollm2-shakespeare": "nnx_zoo.experiments.chat.smollm2_shakespeare",
     "chat/smollm2-shakespeare-dpo": "nnx_zoo.experiments.chat.smollm2_shakespeare_dpo",
+    "chat/smollm2-arithmetic-grpo": "nnx_zoo.experiments.chat.smollm2_arithmetic_grpo",
     "chat/dpo": "nnx_zoo.experiments.chat.dpo",
     "lm/continue": "nnx_zoo.experiments.lm.continue",
     "text/minilm-shakespeare-genre": "nnx_zoo.experiments.text.minilm_shakespeare_genre",

@@ -121,8 +121,9 @@ def check(cfg):
     kind.check(cfg)
 
 
-def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> Data:
-  """The data of `cfg.data.kind`, checked against `cfg.model` first. `train=False`: the
-  held-out split only (`zoo eval`)."""
-  check(cfg)
+def load(cfg, *, train: bool, batch_size: int, share: slice | None, checked: bool = False) -> Data:
+  """The data of `cfg.data.kind`, checked against `cfg.model` first (unless the caller has:
+  `checked`). `train=False`: the held-out split only (`zoo eval`)."""
+  if not checked:
+    check(cfg)
   return get(cfg.data.kind).load(cfg, train=train, batch_size=batch_size, share=share)

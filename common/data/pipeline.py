@@ -264,6 +264,8 @@ def config(**kw) -> ml_collections.ConfigDict:
     # cached, common/data/rollouts.py), of at most rejected_max_tokens tokens.
     "rejected": "",
     "rejected_max_tokens": 64,
+    # Conversations, pairs or prompts: only the first max_records records of each split (0: all).
+    "max_records": 0,
   }
   unknown = set(kw) - set(cfg)
   if unknown:
@@ -356,6 +358,8 @@ def conversation_split(cfg, split: str, tokenizer, *, replier=None) -> Rows | No
   if cfg.loss_on not in ("assistant", "all"):
     raise UserError(f"Unknown data.loss_on {cfg.loss_on!r}: use 'assistant' or 'all'.")
   records = _conversations(cfg, split)
+  if cfg.get("max_records"):
+    records = records[: cfg.max_records]
   if not records:
     return None
   template, row_len = chat.template(cfg), cfg.seq_len + 1

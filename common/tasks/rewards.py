@@ -140,3 +140,8 @@ def contains_answer(prompts, completions, answer, **_) -> list[float]:
     float(re.search(rf"(?<!\w){re.escape(_normal(a))}(?!\w)", _normal(_text(c))) is not None)
     for c, a in zip(completions, answer, strict=True)
   ]
+
+
+def number_only(prompts, completions, **_) -> list[float]:
+  """1 where the reply is one number and nothing else (a format a program checks), else 0."""
+  return [float(re.fullmatch(r"-?\d+(\.\d+)?", _normal(_text(c))) is not None) for c in completions]

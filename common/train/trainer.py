@@ -41,7 +41,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   check_workdir(cfg, workdir)
 
   # Data: what cfg.data.kind's module of common/data/ loads (`load_data`)
-  data = load_data(cfg, layout=layout)
+  data = load_data(cfg, layout=layout, checked=True)
   data_iter = data.iterator
 
   # State: restored (the newest step that restores; damaged newer ones are set aside), or fresh,
@@ -131,14 +131,16 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
 # Start-up pieces (also used by `zoo eval`)
 
 
-def load_data(cfg, *, train: bool = True, layout: parallel.Layout | None = None) -> kinds.Data:
+def load_data(
+  cfg, *, train: bool = True, layout: parallel.Layout | None = None, checked: bool = False
+) -> kinds.Data:
   """The data of `cfg.data.kind`, as its module of common/data/ registers it (common/data/
   kinds.py), checked against the model config. `train=False`: the held-out split only (`zoo
   eval`). Each process reads the rows of every batch that its devices of `layout` hold
   (`parallel.process_rows`)."""
   batch_size = cfg.train.batch_size
   share = parallel.process_rows(layout, batch_size)
-  data = kinds.load(cfg, train=train, batch_size=batch_size, share=share)
+  data = kinds.load(cfg, train=train, batch_size=batch_size, share=share, checked=checked)
   return dataclasses.replace(data, eval_batches=functools.partial(data.eval_batches, share=share))
 
 

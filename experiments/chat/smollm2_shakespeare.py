@@ -7,9 +7,14 @@ Command:   zoo run chat/smollm2-shakespeare --workdir runs/smollm2-shakespeare
             base's figures; a converted copy works too: `zoo convert gguf FILE --out DIR`, then
             --config.init_from=DIR)
 Hardware:  a 2-core CPU.
-Time:      see "Measured" in docs/chat.md (60 steps of 8 rows of 257 tokens, two evaluations).
-Expected:  see docs/chat.md: the held-out assistant loss on Hamlet, Twelfth Night and Henry V
-           against the base's on the same tokens, and a sample answer.
+Time:      31 min on 2 CPU cores shared with three other jobs (load 5-10): 17.1 CPU-min for
+           60 steps of 8 rows of 257 tokens (LoRA rank 8, 2,442,240 adapter weights), start-up
+           and one evaluation; the base's evaluation alone 6.6 min, 2.9 CPU-min.
+Expected:  held-out loss 3.678 nats per token on the assistant's tokens (8,811 of them: the
+           first 24 batches of Hamlet, Twelfth Night and Henry V) at step 60, against 4.460 for
+           SmolLM2-135M-Instruct itself on the same tokens. Asked as Hamlet ("Good my lord, how
+           does your honour for this many a day?"), greedy: "I am not so much as a man, but I am
+           a man." (the base: "(I am HAMLET, and I am the King of England.)").
 Data:      every scene of the 39 training plays cut into conversations (common/data/dialogue.py):
            a system line naming the play, the scene and the speaker who is the assistant, the
            others' speeches as the user's turns, the speaker's own as the assistant's; rendered

@@ -200,7 +200,13 @@ def test_q8_0_export_rounds_each_weight_and_keeps_the_argmax(tiny, tmp_path):
   assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16"])
+# Q8_0 and Q4_1 (SmolLM2's) in the quick suite, the other types with the slow tests.
+SLOW_QTYPES = ["Q4_0", "Q5_0", "Q5_1", "BF16", "F16"]
+
+
+@pytest.mark.parametrize(
+  "qtype", ["Q8_0", "Q4_1", *(pytest.param(q, marks=pytest.mark.slow) for q in SLOW_QTYPES)]
+)
 def test_quantized_files_read_as_transformers_reads_them(tiny, tmp_path, monkeypatch, qtype):
   """Every matrix in `qtype` (the types the gguf library writes): the zoo's dequantized model
   equals transformers' on the same file."""
@@ -223,6 +229,7 @@ def test_quantized_files_read_as_transformers_reads_them(tiny, tmp_path, monkeyp
   assert rel(logits_zoo(path, tiny["ids"]), want) < RTOL
 
 
+@pytest.mark.slow
 def test_cli_convert_then_generate(tiny, tmp_path):
   """`zoo convert gguf`, then `zoo generate --workdir` = transformers' greedy decoding of the
   GGUF file."""
@@ -245,6 +252,7 @@ def test_cli_convert_then_generate(tiny, tmp_path):
   assert out.rstrip("\n") == tok.decode(ref[0].tolist())
 
 
+@pytest.mark.slow
 def test_init_from_a_gguf_conversion(tiny, tmp_path):
   """`--config.init_from=OUT` of a `zoo convert gguf` output puts its weights into the model."""
   from nnx_zoo.common import experiments

@@ -467,3 +467,12 @@ def test_trains_a_hugging_face_checkpoint_with_its_chatml_template(tmp_path):
     lines = [json.loads(line) for line in f]
   assert lines[0]["kl"] < 1e-6 and all(np.isfinite(r["loss"]) for r in lines)
   assert lines[-1]["split"] == "eval" and 0 <= lines[-1]["reward"] <= 1
+
+
+def test_the_shipped_rewards():
+  texts = ("85", " 85 ", "it is 85.", "8", "x")
+  completions = [[{"role": "assistant", "content": t}] for t in texts]
+  answer = ["85"] * 5
+  assert rewards.exact_answer(None, completions, answer) == [1.0, 1.0, 0.0, 0.0, 0.0]
+  assert rewards.contains_answer(None, completions, answer) == [1.0, 1.0, 1.0, 0.0, 0.0]
+  assert rewards.number_only(None, completions) == [1.0, 1.0, 0.0, 1.0, 0.0]
