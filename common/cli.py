@@ -269,36 +269,42 @@ def cmd_eval(args, overrides):
   result.update(tasks.of(cfg).score(graphdef, params, cfg))  # a denoiser's samples, say
   os.makedirs(args.workdir, exist_ok=True)  # a base's evaluation: the run's log starts here
   log = metrics.MetricsLog(args.workdir)
+  result["weights"] = evaluated  # the run's checkpoint, or (none yet) its init_from
   log.write(step, result, split="eval")
   log.close()
-  print(json.dumps({"step": step, "split": "eval", "weights": evaluated, **result}))
+  print(json.dumps({"step": step, "split": "eval", **result}))
 
 
 def cmd_generate(args, _overrides):
   """What the run's task makes: text for a prompt, a transcript of --audio, images of
   --labels (common/tasks/)."""
-  from nnx_zoo.common import config as config_lib
   from nnx_zoo.common import tasks
 
-  path = os.path.join(args.workdir, "config.json")
-  if not os.path.exists(path):
-    raise UserError(f"{args.workdir} has no config.json: give the --workdir of a `zoo run`.")
-  with open(path) as f:
-    cfg = config_lib.from_json(f.read())
+  cfg = workdir_config(args)
   tasks.of(cfg).generate(args, cfg)
 
 
 def cmd_chat(args, _overrides):
   """A language model's answers in a conversation, rendered with its run's chat template."""
-  from nnx_zoo.common import config as config_lib
   from nnx_zoo.common.tasks import language_model
 
+  cfg = workdir_config(args)
+  language_model.chat(args, cfg)
+
+
+def workdir_config(args):
+  """The config.json of `--workdir`: a `zoo run` workdir, a `zoo convert` output, or a .gguf
+  file (converted once into the zoo's cache, which then stands in for the workdir)."""
+  from nnx_zoo.common import config as config_lib
+  from nnx_zoo.common.hub import weights
+
+  if args.workdir.endswith(".gguf"):
+    args.workdir = weights.gguf_workdir(args.workdir)
   path = os.path.join(args.workdir, "config.json")
   if not os.path.exists(path):
     raise UserError(f"{args.workdir} has no config.json: give the --workdir of a `zoo run`.")
   with open(path) as f:
-    cfg = config_lib.from_json(f.read())
-  language_model.chat(args, cfg)
+    return config_lib.from_json(f.read())
 
 
 def cmd_data(args, overrides):
@@ -385,7 +391,11 @@ def start_jax(command: str):
 
   from nnx_zoo.common import files, mesh
 
-  where = os.environ.get(COMPILATION_CACHE, "") or files.cache_dir("jax")
+  where = (
+    os.environ.get(COMPILATION_CACHE, "")
+    or os.environ.get("JAX_COMPILATION_CACHE_DIR", "")  # jax's own variable, where it is set
+    or files.cache_dir("jax")
+  )
   if where.lower() not in ("off", "0", "none"):
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)

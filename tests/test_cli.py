@@ -307,3 +307,28 @@ def speech_words():
   from nnx_zoo.common.data import speech
 
   return speech.WORDS
+
+
+def test_compiled_programs_are_kept_under_the_zoos_cache(monkeypatch, tmp_path):
+  """JAX's persistent compilation cache is on by default (a second `zoo chat` loads its programs),
+  under the zoo's cache, unless $JAX_COMPILATION_CACHE_DIR names one; "off" keeps none."""
+  import jax
+
+  from nnx_zoo.common import cli
+
+  before = jax.config.jax_compilation_cache_dir
+  try:
+    monkeypatch.setenv("NNX_ZOO_CACHE", str(tmp_path))
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.delenv(cli.COMPILATION_CACHE, raising=False)
+    cli.start_jax("run")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "jax")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+    cli.start_jax("run")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+    jax.config.update("jax_compilation_cache_dir", before)
+    monkeypatch.setenv(cli.COMPILATION_CACHE, "off")
+    cli.start_jax("run")
+    assert jax.config.jax_compilation_cache_dir == before
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)

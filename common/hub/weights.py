@@ -148,6 +148,21 @@ def gguf_tokenizer(path: str) -> str:
   return out
 
 
+def gguf_workdir(path: str) -> str:
+  """A zoo checkpoint of a GGUF file (`convert_gguf`), made on first use under the zoo's cache,
+  keyed by the file's path, size and time: what `zoo generate` and `zoo chat` read for a
+  `--workdir FILE.gguf`."""
+  path = locate(path)
+  if not os.path.isfile(path):
+    raise UserError(f"{path!r} is not a file: give a .gguf file, or a zoo run's --workdir.")
+  stat = os.stat(path)
+  key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+  out = files.cache_dir("gguf-checkpoints", key.hexdigest()[:24])
+  if not is_zoo_checkpoint(out):
+    convert_gguf(path, out)
+  return out
+
+
 def read(path: str) -> tuple[ml_collections.ConfigDict, nnx.State]:
   """The model config and params at `path`: a zoo checkpoint (a `zoo run` workdir or the output
   of `zoo convert`) or a Hugging Face directory."""

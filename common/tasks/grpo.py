@@ -63,8 +63,8 @@ from flax import nnx
 
 from nnx_zoo.common import models, parallel, sampling, tasks
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub import weights
-from nnx_zoo.common.nn import aux, lora
+from nnx_zoo.common.nn import aux
+from nnx_zoo.common.tasks import reference
 from nnx_zoo.common.tasks import rewards as rewards_lib
 from nnx_zoo.common.train import losses
 
@@ -257,16 +257,13 @@ class GRPO(tasks.Task):
     single = tuple(sorted({int(stop[0]) for stop in self._stops if len(stop) == 1}))
     self._sampling = dict(graphdef=graphdef, max_new_tokens=s.max_new_tokens, stop_ids=single)
     self._reference = None
-    self._lora_base = False
     if s.beta:
       if not cfg.init_from:
         raise UserError(
           "grpo.beta > 0 keeps the policy near a reference model, the weights it starts from: "
           "set --config.init_from (or grpo.beta=0, no reference)."
         )
-      self._lora_base = bool(cfg.model.lora.rank and not cfg.model.lora.train)
-      if not self._lora_base:
-        graphdef, self._reference = weights.init_from_params(cfg, layout)
+      self._reference = reference.Reference(cfg, layout)
       temperature = float(s.temperature)
       self._ref_logps = jax.jit(lambda p, b: token_logps(nnx.merge(graphdef, p), b, temperature))
     self._since = None
@@ -325,11 +322,7 @@ class GRPO(tasks.Task):
     rows["advantages"] = advantages(scored["reward"], G, self.s.scale_rewards).astype(np.float32)
     rows = self._place(rows)
     if self.s.beta:
-      reference = self._reference
-      if self._lora_base:  # the base is the params with every adapter at zero
-        adapters, base = nnx.split_state(params, lora.LoRAParam, ...)
-        reference = nnx.merge_state(jax.tree.map(jnp.zeros_like, adapters), base)
-      rows["reference"] = self._ref_logps(reference, rows)
+      rows["reference"] = self._ref_logps(self._reference.params(params), rows)
     self._log(scored, train_s=ready - (self._since or start), sample_s=sampled - ready,
               reward_s=rewarded - sampled)  # fmt: skip
     self._since = time.perf_counter()

@@ -30,8 +30,7 @@ from flax import nnx
 
 from nnx_zoo.common import models, parallel, tasks
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub import weights
-from nnx_zoo.common.nn import lora
+from nnx_zoo.common.tasks import reference
 from nnx_zoo.common.train import losses
 
 
@@ -127,9 +126,7 @@ class DPO(tasks.Task):
         "--config.init_from to an SFT run's workdir (or a converted checkpoint)."
       )
     graphdef = nnx.graphdef(models.abstract(cfg.model))
-    self._reference = None
-    if not (cfg.model.lora.rank and not cfg.model.lora.train):
-      graphdef, self._reference = weights.init_from_params(cfg, layout)
+    self._reference = reference.Reference(cfg, layout)
     self._logps = jax.jit(lambda p, b: sequence_logps(nnx.merge(graphdef, p), b))
     return self
 
@@ -138,12 +135,7 @@ class DPO(tasks.Task):
     (a forward pass, placed as the batch is)."""
     if not hasattr(self, "_logps"):
       raise RuntimeError("DPO.complete before prepare: the trainer prepares the task first.")
-    if self._reference is None:  # LoRA: the base is the params with every adapter at zero
-      adapters, base = nnx.split_state(params, lora.LoRAParam, ...)
-      reference = nnx.merge_state(jax.tree.map(jnp.zeros_like, adapters), base)
-    else:
-      reference = self._reference
-    return {**batch, "reference": self._logps(reference, batch)}
+    return {**batch, "reference": self._logps(self._reference.params(params), batch)}
 
 
 tasks.register(DPO())

@@ -24,7 +24,8 @@ class MetricsLog:
     self.file.write(json.dumps(record) + "\n")
     self.file.flush()
     for k, v in metrics.items():
-      self.tb.add_scalar(f"{split}/{k}", v, step)
+      if isinstance(v, int | float):  # a label ("weights": "init_from") is for the JSON only
+        self.tb.add_scalar(f"{split}/{k}", v, step)
 
   def close(self):
     if self.active:

@@ -7,13 +7,17 @@ Command:   zoo run chat/smollm2-shakespeare-dpo --workdir runs/smollm2-dpo
             chat/smollm2-shakespeare-dpo --workdir runs/base-dpo` before training gives the
             base's figures)
 Hardware:  a 2-core CPU.
-Time:      not measured yet (docs/chat.md): the rejected replies are sampled once at start-up
-           (16 prompts at a time, at most 48 new tokens each) and cached, then 40 steps of 8
-           pairs of 2 x 193 tokens.
-Expected:  not measured yet (docs/chat.md); the target is held-out reward accuracy >= 0.80.
+Time:      7.4 min on 2 CPU cores (12.7 CPU-min): the 76 training pairs' rejected replies
+           sampled (16 prompts at a time, at most 32 new tokens) and cached, then 30 steps of 8
+           pairs of 2 x 129 tokens and one evaluation; the held-out replies were sampled by the
+           base's `zoo eval` before it (2.3 min, 3.3 CPU-min), which a rerun reads from the cache.
+Expected:  held-out reward accuracy 1.000 and preference accuracy 0.875 on 64 pairs of Twelfth
+           Night (margin 1.96, loss 0.149), against the base's 0.750 preference accuracy (its
+           reward margin is 0 by definition).
 Data:      the plays' conversations cut before a speaker's reply (common/data/dialogue.py):
-           Macbeth trains, Twelfth Night is held out; the rejected reply is the init_from
-           model's own (data.rejected="init_from", common/data/rollouts.py).
+           Macbeth's 76 train, the first 320 of Twelfth Night's are held out (111 there are);
+           the rejected reply is the init_from model's own greedy one (data.rejected=
+           "init_from", common/data/rollouts.py).
 """
 
 import ml_collections

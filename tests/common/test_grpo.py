@@ -433,7 +433,7 @@ def test_reference_is_init_from_and_under_lora_the_base(tmp_path):
 
   lora_cfg = smoke(tmp_path, **overrides, **{"model.lora.rank": "4"})
   task = tasks.of(lora_cfg).prepare(data, cfg=lora_cfg)
-  assert task._reference is None  # no second copy of the base
+  assert task._reference._params is None  # no second copy of the base
   lora_graphdef, lora_loaded = weights.init_from_params(lora_cfg)
   adapters, base = nnx.split_state(lora_loaded, lora.LoRAParam, ...)
   moved = nnx.merge_state(jax.tree.map(lambda x: x + 0.5, adapters), base)

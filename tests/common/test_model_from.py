@@ -193,3 +193,27 @@ def test_a_gguf_file_is_a_source_too(tiny_dir, tmp_path):
   ours, theirs = (tokenizers.load(t) for t in (src.tokenizer, cfg.data.tokenizer))
   assert ours.encode_chat(text)[0].tolist() == theirs.encode_chat(text)[0].tolist()
   assert chat.template(cfg.data).end_of_turn == "<|im_end|>"
+
+
+def test_generate_and_chat_take_a_gguf_file(tiny_dir, tmp_path, monkeypatch, capsys):
+  """`--workdir FILE.gguf`: the file converted once into the cache, answering as its conversion."""
+  pytest.importorskip("gguf")
+  from nnx_zoo.common import hub
+
+  monkeypatch.setenv("NNX_ZOO_CACHE", str(tmp_path / "cache"))
+  hub.convert_hf(tiny_dir, str(tmp_path / "zoo"))
+  path = str(tmp_path / "tiny.gguf")
+  hub.export_gguf(str(tmp_path / "zoo"), path)
+  messages = tmp_path / "m.json"
+  messages.write_text(json.dumps([{"role": "user", "content": "To be?"}]))
+  answers = []
+  for workdir in (path, str(tmp_path / "zoo"), path):  # the second .gguf read from the cache
+    argv = ["chat", "--workdir", workdir, "--messages", str(messages), "--temperature", "0"]
+    code, out, _ = run_cli([*argv, "--max-new-tokens", "6"], capsys)
+    assert code == 0
+    answers.append(out)
+  assert answers[0] == answers[1] == answers[2]
+  assert len(os.listdir(tmp_path / "cache" / "gguf-checkpoints")) == 1
+  code, out, _ = run_cli(["generate", "--workdir", path, "--prompt", "To be", "--temperature", "0",
+                          "--max-new-tokens", "4"], capsys)  # fmt: skip
+  assert code == 0 and out.startswith("To be")

@@ -107,7 +107,7 @@ def test_reference_is_the_init_from_model_and_under_lora_the_base(tmp_path):
     "chat/shakespeare-dialogue-dpo:smoke", {**overrides, "model.lora.rank": "4"}
   )
   task = tasks.of(lora_cfg).prepare(data, cfg=lora_cfg)
-  assert task._reference is None  # no second copy of the base
+  assert task._reference._params is None  # no second copy of the base
   loaded = weights.init_from_params(lora_cfg)[1]
   adapters, base = nnx.split_state(loaded, lora.LoRAParam, ...)
   moved = nnx.merge_state(jax.tree.map(lambda x: x + 0.5, adapters), base)

@@ -84,7 +84,10 @@ def test_scan_over_the_pattern_equals_no_scan(name, remat):
 
   want, want_g = jax.value_and_grad(loss, argnums=1)(graphdef, params)
   got, got_g = jax.value_and_grad(loss, argnums=1)(scan_graphdef, scan_params)
-  np.testing.assert_allclose(got, want, rtol=1e-5)
+  # A sum of sines of every logit cancels to a small number: its fp32 rounding is about the
+  # number of terms times eps, not a fraction of the sum (7.6e-5 on an AVX-512 Xeon).
+  terms = x.size * cfg.vocab_size
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=terms * float(jnp.finfo(jnp.float32).eps))
   got_g = stacking.unstack_layers(got_g)
   assert jax.tree.structure(got_g) == jax.tree.structure(want_g)
   for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
