@@ -14,6 +14,7 @@ copy of each layout rule:
   (Gemma's norm weights stored as w + 1), applied by `_to_hf` and `_to_gguf`.
 """
 
+import importlib.util
 import json
 import os
 
@@ -278,6 +279,11 @@ def tokenizer_dir(path: str, out: str) -> list[str]:
   if "tokenizer.ggml.model" not in meta:
     raise UserError(f"{path} holds no tokenizer (tokenizer.ggml.model).")
   path = os.path.abspath(path)
+  if importlib.util.find_spec("torch") is None:  # transformers' GGUF reader imports it
+    raise UserError(
+      f"Reading the tokenizer of {path} uses transformers' GGUF reader, which needs PyTorch: "
+      "pip install torch (the CPU build is enough)."
+    )
   try:
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
   except Exception as e:

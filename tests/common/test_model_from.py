@@ -177,6 +177,7 @@ def test_a_gguf_file_is_a_source_too(tiny_dir, tmp_path):
   """init_from=FILE.gguf: the model config from the file's metadata, its tokenizer (and chat
   template) written once into the cache as a Hugging Face tokenizer directory."""
   pytest.importorskip("gguf")
+  pytest.importorskip("torch")  # transformers' GGUF tokenizer reader imports it
   from nnx_zoo.common import hub
 
   hub.convert_hf(tiny_dir, str(tmp_path / "zoo"))
@@ -198,6 +199,7 @@ def test_a_gguf_file_is_a_source_too(tiny_dir, tmp_path):
 def test_generate_and_chat_take_a_gguf_file(tiny_dir, tmp_path, monkeypatch, capsys):
   """`--workdir FILE.gguf`: the file converted once into the cache, answering as its conversion."""
   pytest.importorskip("gguf")
+  pytest.importorskip("torch")  # transformers' GGUF tokenizer reader imports it
   from nnx_zoo.common import hub
 
   monkeypatch.setenv("NNX_ZOO_CACHE", str(tmp_path / "cache"))
