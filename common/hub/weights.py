@@ -130,12 +130,17 @@ def source(path: str) -> Source:
   return Source(path, "Hugging Face directory", model, tokenizer if tokenizer.path else None)
 
 
+def _file_key(path: str) -> str:
+  """What a cache entry made from the file `path` is keyed by: its path, size and time."""
+  stat = os.stat(path)
+  key = f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
+  return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
 def gguf_tokenizer(path: str) -> str:
   """A Hugging Face tokenizer directory (with the chat template) of a GGUF file's tokenizer,
   written on first use under the zoo's cache, keyed by the file's path, size and time."""
-  stat = os.stat(path)
-  key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-  out = files.cache_dir("gguf-tokenizers", key.hexdigest()[:24])
+  out = files.cache_dir("gguf-tokenizers", _file_key(path))
   if not os.path.isfile(os.path.join(out, "tokenizer.json")):
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -155,9 +160,7 @@ def gguf_workdir(path: str) -> str:
   path = locate(path)
   if not os.path.isfile(path):
     raise UserError(f"{path!r} is not a file: give a .gguf file, or a zoo run's --workdir.")
-  stat = os.stat(path)
-  key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-  out = files.cache_dir("gguf-checkpoints", key.hexdigest()[:24])
+  out = files.cache_dir("gguf-checkpoints", _file_key(path))
   if not is_zoo_checkpoint(out):
     convert_gguf(path, out)
   return out
