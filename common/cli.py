@@ -243,18 +243,15 @@ def cmd_run(args, overrides):
 
 
 def cmd_eval(args, overrides):
-  import jax
 
-  from nnx_zoo.common import distributed, experiments, mesh, parallel, tasks
+  from nnx_zoo.common import distributed, experiments, tasks
   from nnx_zoo.common.hub import checkpoint, weights
   from nnx_zoo.common.train import metrics, trainer
 
   distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   cfg = experiments.get_config(args.exp, overrides, hardware=hardware(args))
   # The experiment's mesh, as `zoo run` makes it (a row split over mesh.context stays split).
-  sizes = mesh.resolve(cfg.mesh, jax.device_count())
-  parallel.check_experiment(cfg, sizes)
-  layout = parallel.experiment_layout(cfg, sizes) if jax.device_count() > 1 else None
+  layout = trainer.experiment_layout(cfg)
   if not checkpoint.has_steps(args.workdir) and cfg.init_from:
     # No run yet: the weights it would start from, the number a fine-tune is compared with.
     graphdef, params = weights.init_from_params(cfg, layout)
@@ -308,8 +305,8 @@ def workdir_config(args):
 
 
 def cmd_data(args, overrides):
-  from nnx_zoo.common import experiments
-  from nnx_zoo.common.data import prepare, report
+  from nnx_zoo.common import experiments, report
+  from nnx_zoo.common.data import prepare
 
   cfg = experiments.get_config(args.exp, overrides)
   if args.data_command == "prepare":

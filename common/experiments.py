@@ -101,7 +101,7 @@ def get_config(
   if model_from and resolve:
     resolve_model(cfg, name, keep_tokenizer=any(k.startswith("data.tokenizer.") for k in overrides))
   if "task" not in cfg:  # an experiment file written before tasks were named: named here once
-    cfg.task = tasks.infer(cfg)
+    cfg.task = models.infer_task(cfg)
   tasks.get(cfg.task)  # an unknown one is refused now, with the known ones
   cfg.experiment = exp
   return cfg

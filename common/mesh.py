@@ -8,8 +8,8 @@ import os
 
 import ml_collections
 
+from nnx_zoo.common import attention_impl
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import attention_impl
 
 # tensor last: the innermost axis gets the nearest devices (its collectives run every layer);
 # context next to it, for the same reason (its key/value gathers run every layer too). pipeline

@@ -244,9 +244,8 @@ def check_fits(
 
 
 def check_experiment(cfg, sizes: dict[str, int]):
-  """`check_fits` for an experiment's config: its model, batch, micro-batches and row length."""
-  from nnx_zoo.common.nn import pipeline  # it places what this module lays out
-
+  """`check_fits` and `check_pipeline` for an experiment's config: its model, batch,
+  micro-batches and row length."""
   check_fits(
     cfg.model,
     sizes,
@@ -254,7 +253,79 @@ def check_experiment(cfg, sizes: dict[str, int]):
     cfg.train.micro_batches,
     seq_len=cfg.data.get("seq_len", 0),
   )
-  pipeline.check(cfg, sizes)
+  check_pipeline(cfg, sizes)
+
+
+# The pipeline axis: the stacked layers in stages (placed by common/nn/pipeline.py)
+
+
+def pipeline_microbatches(train_cfg, stages: int) -> int:
+  """`train.pipeline_microbatches`, 0 meaning 2 x stages."""
+  return int(train_cfg.get("pipeline_microbatches", 0)) or 2 * stages
+
+
+def check_pipeline(cfg, sizes: dict[str, int]):
+  """A UserError for a pipeline the config cannot run: one line naming the counts and what to
+  choose instead."""
+  stages = sizes.get("pipeline", 1)
+  if stages == 1:
+    return
+  m = cfg.model
+  if "attention" not in m:
+    raise UserError(
+      f"mesh.pipeline={stages} splits one stack of layers: this model has several (its "
+      f"{', '.join(k for k in m if hasattr(m[k], 'get') and 'attention' in m[k])}); set "
+      "mesh.pipeline=1."
+    )
+  if "num_decoder_layers" in m:
+    raise UserError(
+      f"mesh.pipeline={stages} is refused for an encoder-decoder (two stacks, the decoder "
+      "reading the encoder's output in every layer): set mesh.pipeline=1."
+    )
+  if sizes.get("context", 1) > 1:
+    raise UserError(
+      f"mesh.pipeline={stages} with mesh.context={sizes['context']} is refused (the stages "
+      "would pass each row's token shards around both rings): set one of them to 1."
+    )
+  if not m.get("scan", False):
+    raise UserError(
+      f"mesh.pipeline={stages} splits the stacked layers of model.scan: set model.scan=True."
+    )
+  repeats = int(m.get("pipeline_repeats", 1))
+  if repeats < 1:
+    raise UserError(f"model.pipeline_repeats={repeats}: give a positive number of repeats.")
+  period = len(m.get("layer_pattern", ())) or 1
+  layers = m.num_layers
+  reps = layers // period
+  chunks = stages * repeats
+  if layers % period or reps % chunks:
+    fits = [s for s in range(2, reps // repeats + 1) if (reps // repeats) % s == 0]
+    fits = fits if reps % repeats == 0 else []
+    unit = period * chunks
+    lower, upper = layers // unit * unit, -(-layers // unit) * unit
+    nearest = sorted({n for n in (lower, upper) if n > 0})
+    pattern = f" ({reps} repetitions of its {period}-layer pattern)" if period > 1 else ""
+    raise UserError(
+      f"mesh.pipeline={stages} x model.pipeline_repeats={repeats} = {chunks} chunks do not "
+      f"split model.num_layers={layers}{pattern} evenly: choose mesh.pipeline from "
+      f"{fits or 'none'} at this model.pipeline_repeats, or model.num_layers from {nearest}."
+    )
+  micro = pipeline_microbatches(cfg.train, stages)
+  if micro < stages:
+    raise UserError(
+      f"train.pipeline_microbatches={micro} is fewer than mesh.pipeline={stages} stages: the "
+      f"circular schedule needs at least one micro-batch a stage; set it to {stages} or more "
+      f"(0: 2 x stages = {2 * stages})."
+    )
+  rows = cfg.train.batch_size // (
+    sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1) * cfg.train.micro_batches
+  )
+  if rows % micro:
+    raise UserError(
+      f"Each device's {rows} rows of a step (train.batch_size={cfg.train.batch_size} over data "
+      f"x fsdp x expert x train.micro_batches) do not split into train.pipeline_microbatches="
+      f"{micro}: choose a number of micro-batches that divides {rows}."
+    )
 
 
 # What the shared layers call. Outside a sharded step there is no layout and all are no-ops.

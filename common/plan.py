@@ -251,7 +251,8 @@ def kernel_flops(cfg) -> tuple[float, str]:
   4 H for the forward's two matmuls, 14 H for its backward (the dK/dV and dQ kernels each
   recompute the scores: seven matmuls), 4 H more for the forward that `model.remat=full`
   recomputes. (0, "") for any other attention ("auto" is splash on a TPU)."""
-  from nnx_zoo.common.nn import attention_impl, stack
+  from nnx_zoo.common import attention_impl
+  from nnx_zoo.common.nn import stack
 
   m = cfg.model
   if "attention" not in m or "num_layers" not in m:

@@ -86,7 +86,7 @@ def test_show(capsys):
 def test_show_resolves_attention_auto_for_the_hardware(capsys):
   """`zoo show` prints what attention.impl="auto" runs on the hardware of the mesh rule (the
   platform the step compiles for), as the layer resolves it
-  (common/nn/attention_impl.resolve_auto)."""
+  (common/attention_impl.resolve_auto)."""
   shown = {}
   # The smoke form has no mesh rules (the TPU rules set impl=flash themselves) and fp32 compute.
   overrides = ("--config.model.dtype=bfloat16", "--config.data.seq_len=64")

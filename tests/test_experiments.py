@@ -20,7 +20,8 @@ from flax import nnx
 
 from nnx_zoo.common import config as config_lib
 from nnx_zoo.common import experiments, models, modifiers
-from nnx_zoo.common.train import losses, trainer
+from nnx_zoo.common.tasks import losses
+from nnx_zoo.common.train import trainer
 from nnx_zoo.experiments import DEFAULT, REGISTRY
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -350,7 +351,7 @@ def test_zoo_defines_no_attention_rope_or_norm():
 # (h) The layout: what a family may import, and how deep common/ goes
 
 # A family composes the layers and names its config and HF weights: nothing else of common/.
-ZOO_MAY_IMPORT = tuple(f"nnx_zoo.common.{m}" for m in ("nn", "config", "errors", "hub.keymap"))
+ZOO_MAY_IMPORT = tuple(f"nnx_zoo.common.{m}" for m in ("nn", "config", "errors", "keymap"))
 
 
 def imports_of(path: pathlib.Path) -> list[str]:
@@ -390,7 +391,7 @@ def test_import_rule_catches_a_trainer_import(tmp_path):
   assert names == ["nnx_zoo.common.train.trainer", "nnx_zoo.common.nn.attention"]
   assert [may_import(n) for n in names] == [False, True]
   assert not may_import("nnx_zoo.common.hub.weights")
-  assert may_import("nnx_zoo.common.hub.keymap.copy")
+  assert may_import("nnx_zoo.common.keymap.copy")
 
 
 def test_common_is_at_most_two_levels_deep():

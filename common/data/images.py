@@ -20,9 +20,8 @@ import grain
 import ml_collections
 import numpy as np
 
-from nnx_zoo.common.data import kinds, pipeline, sources
+from nnx_zoo.common.data import diffusion, kinds, pipeline, sources
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.train import diffusion  # which imports this module lazily: no cycle
 
 KINDS = ("digits", "npz")
 AUGMENTS = ("none", "shift", "affine")
@@ -241,7 +240,7 @@ def train_iterator(
   `caption_tokens` [classes, captions, T] (`caption_tokens(T)`) picks the captions among its
   own (num_captions is its second dim) and adds their tokens (the "text" entry). `then(example,
   rng) -> example`: a last draw from the same stream (a diffusion's forward process,
-  common/train/diffusion.py)."""
+  common/data/diffusion.py)."""
   if caption_tokens is not None:
     num_captions = caption_tokens.shape[1]
   if augment not in AUGMENTS:

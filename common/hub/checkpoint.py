@@ -121,9 +121,11 @@ class Checkpoints:
   def meta(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
-  def restore_latest(self, abstract_state, *, data_iterator=None):
+  def restore_latest(self, abstract_state, *, data_iterator=None, with_data: bool = False):
     """The state of the newest step that restores whole (state, data iterator and meta), or None
-    when there is no step.
+    when there is no step. `with_data`: the step must hold a data iterator's state, which
+    `restore_data` moves an iterator to later (the trainer restores its weights before it has
+    its data).
 
     A newer step that fails while an older one restores is damaged: a warning names it, and
     unless read-only it is renamed `<step>.damaged` (kept for inspection, never taken again).
@@ -134,6 +136,8 @@ class Checkpoints:
       try:
         state = self.restore(step, abstract_state, data_iterator=data_iterator)
         self.meta(step)
+        if with_data:
+          iterator_state(os.path.join(self.path, str(step), "data"))
       except Exception as e:  # orbax and tensorstore raise many types for a damaged file
         # The first sentence: tensorstore appends a page of its spec.
         failures[step] = (
@@ -151,6 +155,10 @@ class Checkpoints:
         "those of the run; if the files are damaged, move them away to start over."
       )
     return None
+
+  def restore_data(self, step: int, data_iterator):
+    """Moves `data_iterator` to where `step` left it (`restore_latest(with_data=True)`)."""
+    restore_iterator(os.path.join(self.path, str(step), "data"), data_iterator)
 
   def set_aside(self, step: int, why: str, *, good: int):
     path = os.path.join(self.path, str(step))
@@ -177,6 +185,14 @@ def restore_iterator(path: str, iterator):
   state (grain's `process_I-of-N.json`), but the zoo's iterators all hold the index of the next
   global batch, the same on every process: a step saved by N processes resumes on any number,
   reading the state this process would have saved, or else process 0's."""
+  iterator.set_state(iterator_state(path))
+  if hasattr(iterator, "start_prefetch"):  # as grain's own handler does after set_state
+    iterator.start_prefetch()
+
+
+def iterator_state(path: str) -> dict:
+  """The data iterator state saved at `path` (a step's `data`) that this process resumes from
+  (`restore_iterator`); a ValueError where there is none."""
   index, count = jax.process_index(), jax.process_count()
   own = os.path.join(path, f"process_{index}-of-{count}.json")
   saved = sorted(glob.glob(os.path.join(path, "process_*-of-*.json")))
@@ -185,10 +201,7 @@ def restore_iterator(path: str, iterator):
       raise ValueError(f"{path} holds no data iterator state")
     own = next((p for p in saved if os.path.basename(p).startswith("process_0-")), saved[0])
   with open(own) as f:
-    state = json.load(f)
-  iterator.set_state(state)
-  if hasattr(iterator, "start_prefetch"):  # as grain's own handler does after set_state
-    iterator.start_prefetch()
+    return json.load(f)
 
 
 def _params(state):

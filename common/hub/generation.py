@@ -12,8 +12,8 @@ import dataclasses
 import json
 import os
 
+from nnx_zoo.common import keymap
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub import keymap
 from nnx_zoo.common.hub.hf import params_module
 
 FILE = "generation_config.json"

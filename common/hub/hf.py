@@ -10,7 +10,7 @@ How a family's weights are named and laid out on the HF side lives in `zoo/<fami
 - `config_from_hf(hf_config, names)` -> the zoo model config (`names`: the checkpoint's tensor
   names, for what config.json does not say), and `config_to_hf(cfg, model_type)` -> config.json
   (`model_type`: the source's on a round trip, kept when it fits);
-- `rules(cfg)`: a list of `nnx_zoo.common.hub.keymap.Rule`s, each moving one HF tensor to one or
+- `rules(cfg)`: a list of `nnx_zoo.common.keymap.Rule`s, each moving one HF tensor to one or
   more zoo parameters and back, with HF names as `export_hf` writes them.
 
 This module reads the files, checks every name and shape against the rules before touching a
@@ -29,20 +29,9 @@ from flax import nnx
 
 from nnx_zoo.common import models
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub.keymap import Rule, hf_names
+from nnx_zoo.common.keymap import Rule, hf_names
 from nnx_zoo.common.nn import stacking
 
-TOKENIZER_FILES = (
-  "tokenizer.json",
-  "tokenizer_config.json",
-  "special_tokens_map.json",
-  "added_tokens.json",
-  "chat_template.jinja",
-  "vocab.json",
-  "merges.txt",
-  "vocab.txt",
-  "tokenizer.model",
-)
 # config.json fields of a converted checkpoint that its export does not carry over.
 NOT_KEPT = ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path")
 # transformers' own "legacy" renames, applied to every checkpoint it loads.

@@ -18,13 +18,11 @@ import numpy as np
 from flax import nnx
 
 from nnx_zoo.common import config as config_lib
-from nnx_zoo.common import files, models, parallel, tasks
-from nnx_zoo.common.data import tokenizers as tokenizers_lib
+from nnx_zoo.common import files, models, parallel
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub import checkpoint, generation, gguf, paths, tiny
+from nnx_zoo.common.hub import checkpoint, generation, gguf, paths, tiny, tokenizer_files
 from nnx_zoo.common.hub.hf import (
   NOT_KEPT,
-  TOKENIZER_FILES,
   SafeTensors,
   architecture,
   family_of,
@@ -107,7 +105,7 @@ def source(path: str) -> Source:
     )
   if path.endswith(".gguf"):  # a llama.cpp file: its tokenizer written once into the cache
     model, _ = gguf.read_config(path)
-    return Source(path, "GGUF file", model, tokenizers_lib.config("hf", gguf_tokenizer(path)))
+    return Source(path, "GGUF file", model, tokenizer_files.config("hf", gguf_tokenizer(path)))
   if is_zoo_checkpoint(path):
     ckpts, step = checkpoint.open_latest(path)
     try:
@@ -125,8 +123,8 @@ def source(path: str) -> Source:
   hf_config = read_hf_config(path)
   mod = params_module(family_of(architecture(hf_config)))
   model = mod.config_from_hf(hf_config, SafeTensors(path).names())
-  found = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(path, f))]
-  tokenizer = _tokenizer_config(path, found)
+  found = [f for f in tokenizer_files.FILES if os.path.isfile(os.path.join(path, f))]
+  tokenizer = tokenizer_files.of_directory(path, found)
   return Source(path, "Hugging Face directory", model, tokenizer if tokenizer.path else None)
 
 
@@ -339,20 +337,6 @@ def _write_atomically(out: str, write: Callable[[str], None]):
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _tokenizer_config(out: str, files: list[str]) -> ml_collections.ConfigDict:
-  """The data.tokenizer config that loads the tokenizer files copied into `out`: the directory
-  where a tokenizer_config.json or chat_template.jinja came along (its chat template and special
-  tokens, what `zoo chat` renders with), else the tokenizer's own file."""
-  if "tokenizer.json" in files:
-    with_chat = {"tokenizer_config.json", "chat_template.jinja"} & set(files)
-    return tokenizers_lib.config("hf", out if with_chat else os.path.join(out, "tokenizer.json"))
-  if "vocab.json" in files and "merges.txt" in files:
-    return tokenizers_lib.config("gpt2", out)
-  if "tokenizer.model" in files:
-    return tokenizers_lib.config("sentencepiece", os.path.join(out, "tokenizer.model"))
-  return tokenizers_lib.config("hf", "")
-
-
 def _check_param_dtype(param_dtype: str):
   if param_dtype not in ("float32", "bfloat16", "float16"):
     raise UserError(f"--param-dtype {param_dtype!r}: use float32, bfloat16 or float16.")
@@ -367,7 +351,7 @@ def convert_hf(src: str, out: str, *, param_dtype: str = "float32") -> dict:
   _check_param_dtype(param_dtype)
   src = fetch(src)
   cfg, params, info = read_hf(src, param_dtype=param_dtype)
-  files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
+  files = [f for f in tokenizer_files.FILES if os.path.isfile(os.path.join(src, f))]
   if os.path.isfile(os.path.join(src, generation.FILE)):  # how `zoo generate` prompts it
     files.append(generation.FILE)
 
@@ -388,11 +372,11 @@ def write_converted(
   tokenizer and generation files `files`, which `add_files(dir)` puts into the new directory.
   Returns a summary."""
   out = os.path.abspath(out)
-  tokenizer = _tokenizer_config(out, files)
+  tokenizer = tokenizer_files.of_directory(out, files)
   run_config = ml_collections.ConfigDict(
     {"model": cfg.to_dict(), "data": {"tokenizer": tokenizer.to_dict()}, "source": source}
   )
-  run_config.task = tasks.infer(run_config)  # what `zoo generate` does with it
+  run_config.task = models.infer_task(run_config)  # what `zoo generate` does with it
   meta = {
     "family": cfg.family,
     "model": cfg.to_dict(),
@@ -489,12 +473,12 @@ def export_hf(workdir: str, out: str) -> dict:
     hf_config = {**kept, **hf_config}
   tensors = to_hf(cfg, mod, params)
   files = [
-    f for f in (*TOKENIZER_FILES, generation.FILE) if os.path.isfile(os.path.join(workdir, f))
+    f for f in (*tokenizer_files.FILES, generation.FILE) if os.path.isfile(os.path.join(workdir, f))
   ]
   tok = meta.get("data", {}).get("tokenizer", {})
   tok_json = tok.get("path", "") if tok.get("kind") == "hf" and not files else ""
   if os.path.isdir(tok_json):  # a tokenizer directory: its files (template, special tokens)
-    files = [os.path.join(tok_json, f) for f in TOKENIZER_FILES]
+    files = [os.path.join(tok_json, f) for f in tokenizer_files.FILES]
     files = [f for f in files if os.path.isfile(f)]
     tok_json = ""
 

@@ -11,7 +11,7 @@ The layer projects and positions the queries, keys and values and says where the
 (`attention_dispatch.Keys`): its own tokens, a KV cache, the source sequence, or, under
 `mesh.context` (a row's tokens split over devices, common/parallel.py), this device's tokens of
 the row, masked by their indices in it (`parallel.token_index`). Which implementation then runs
-(`impl`, `context_impl`: common/nn/attention_impl.py, the table) and how it is called
+(`impl`, `context_impl`: common/attention_impl.py, the table) and how it is called
 (common/nn/attention_dispatch.py) are not its business; the reference functions are
 common/nn/attention_ref.py, ring attention common/nn/attention_ring.py.
 """
@@ -24,10 +24,10 @@ import ml_collections
 from flax import nnx
 
 from nnx_zoo.common import parallel
+from nnx_zoo.common.attention_impl import CONTEXT_IMPLS, IMPLS
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import attention_dispatch, norms
 from nnx_zoo.common.nn.attention_dispatch import Keys
-from nnx_zoo.common.nn.attention_impl import CONTEXT_IMPLS, IMPLS
 from nnx_zoo.common.nn.linear import Linear
 from nnx_zoo.common.nn.position import Position
 
@@ -57,7 +57,7 @@ def config(
   logits' factor, 0 meaning head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5; T5: 1);
   impl: how the softmax(q k^T) v core runs ("auto": chosen for the platform compiled for) and
   context_impl: how a layer attends across `mesh.context` ("gather" or "ring"), both in
-  common/nn/attention_impl.py."""
+  common/attention_impl.py."""
   return ml_collections.ConfigDict(
     {
       "num_heads": num_heads,

@@ -1,5 +1,5 @@
 """The attention dispatcher: one call of a layer's queries against its keys (`Keys`), run by the
-implementation the table picks (common/nn/attention_impl.py).
+implementation the table picks (common/attention_impl.py).
 
 The layer says where the keys and values come from; this module asks the table which
 implementation runs the call and calls it: "xla" (common/nn/attention_ref.py), "flash" (the
@@ -12,8 +12,8 @@ import dataclasses
 
 import jax
 
-from nnx_zoo.common import parallel
-from nnx_zoo.common.nn import attention_impl, attention_ref, pipeline
+from nnx_zoo.common import attention_impl, parallel
+from nnx_zoo.common.nn import attention_ref, pipeline
 from nnx_zoo.common.nn.attention_ring import attend_ring
 from nnx_zoo.kernels import flash_attention, tpu_attention
 

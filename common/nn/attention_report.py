@@ -1,11 +1,12 @@
 """What attention.impl="auto" resolves to in each layer of a model config: the line `zoo show`
-prints. The rules are the table's (common/nn/attention_impl.py); this module only reads them for
+prints. The rules are the table's (common/attention_impl.py); this module only reads them for
 every layer kind of a stack, which is why it stands apart from the table: it needs the stack's
 layer configs (`stack.layer_config`), and the stack imports the layer that imports the
 table.
 """
 
-from nnx_zoo.common.nn import attention_impl, stack
+from nnx_zoo.common import attention_impl
+from nnx_zoo.common.nn import stack
 
 
 def describe_auto(

@@ -5,7 +5,7 @@ published routers: Mixtral (softmax over the experts, top-k, the k weights renor
 Qwen3-MoE (renormalisation optional: `norm_topk_prob`), and Qwen2-MoE / DeepSeek shared experts
 (one always-on MLP added to the routed output, with Qwen2-MoE's optional sigmoid gate).
 
-Shapes: the legend of docs/DESIGN.md, plus M tokens (B * T flattened, as in common/train/losses.py),
+Shapes: the legend of docs/DESIGN.md, plus M tokens (B * T flattened, as in common/tasks/losses.py),
 k the top-k slots of a token (lower case: K is kv heads), A = M * k assignments (token, expert
 pairs), R rows of the expert-sorted buffer, in blocks of C rows (the blocked impl).
 

@@ -17,6 +17,7 @@ import importlib
 import jax
 import numpy as np
 
+from nnx_zoo.common import models
 from nnx_zoo.common.errors import UserError, suggest
 
 # The modules that register the built-in tasks.
@@ -87,6 +88,12 @@ class Task:
     and times), merged into each training line of metrics.jsonl; none by default."""
     return {}
 
+  def samples(self, data, *, cfg, split: str, count: int) -> list[dict] | None:
+    """What `zoo data show` prints for a task that makes its rows from the data's (grpo: the
+    first prompts' completions, sampled from the weights a run starts from, with their rewards);
+    None: the data's token rows."""
+    return None
+
   def generate(self, args, cfg) -> None:
     """`zoo generate --workdir W` of a run of this task (prints or writes what it makes)."""
     raise UserError(f"`zoo generate` has nothing to make for a {self.name} model.")
@@ -124,35 +131,9 @@ def get(name: str) -> Task:
 
 
 def of(cfg) -> Task:
-  """The task of a config: its `task`, or for a config saved before that key, `infer(cfg)`."""
-  return get(cfg.get("task") or infer(cfg)).configure(cfg)
-
-
-def infer(cfg) -> str:
-  """The task of a config that names none, from what it holds: a diffusion section (denoiser), a
-  preference section (dpo), a grpo section (grpo), an encoder-decoder of frames (speech) or of
-  tokens (seq2seq), a CLIP pair of towers (contrastive), a classifier head (classifier), else a
-  language model."""
-  from nnx_zoo.common import models
-  from nnx_zoo.common.nn.denoiser import Denoiser
-  from nnx_zoo.common.nn.encoder_decoder import EncoderDecoder
-
-  if cfg.get("diffusion") is not None:
-    return "denoiser"
-  if cfg.get("preference") is not None:
-    return "dpo"
-  if cfg.get("grpo") is not None:
-    return "grpo"
-  model_cls = models.family_module(cfg.model.family).Model
-  if issubclass(model_cls, Denoiser):
-    return "denoiser"
-  if issubclass(model_cls, EncoderDecoder):
-    return "speech" if cfg.model.get("inputs") == "frames" else "seq2seq"
-  if "vision" in cfg.model and "text" in cfg.model:
-    return "contrastive"
-  if cfg.model.get("num_labels", 0) or not hasattr(model_cls, "init_cache"):
-    return "classifier"
-  return "language_model"
+  """The task of a config: its `task`, or for a config saved before that key,
+  `models.infer_task(cfg)`."""
+  return get(cfg.get("task") or models.infer_task(cfg)).configure(cfg)
 
 
 def token_rows(B: int, T: int) -> dict:

@@ -6,8 +6,7 @@ import numpy as np
 
 from nnx_zoo.common import tasks
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.tasks import language_model
-from nnx_zoo.common.train import losses
+from nnx_zoo.common.tasks import language_model, losses
 
 
 class Classifier(tasks.Task):

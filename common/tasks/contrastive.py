@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import optax
 
 from nnx_zoo.common import tasks
-from nnx_zoo.common.tasks import classifier
-from nnx_zoo.common.train import losses
+from nnx_zoo.common.tasks import classifier, losses
 
 
 class Contrastive(tasks.Task):

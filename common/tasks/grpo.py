@@ -64,9 +64,8 @@ from flax import nnx
 from nnx_zoo.common import models, parallel, sampling, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import aux
-from nnx_zoo.common.tasks import reference
+from nnx_zoo.common.tasks import losses, reference
 from nnx_zoo.common.tasks import rewards as rewards_lib
-from nnx_zoo.common.train import losses
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALES = ("group", "batch", "none")
@@ -297,25 +296,14 @@ class GRPO(tasks.Task):
   def complete(self, batch, params):
     if not hasattr(self, "_sampling"):
       raise RuntimeError("GRPO.complete before prepare: the trainer prepares the task first.")
-    training = "seed" in batch  # the training iterator's batches carry their rollouts' seeds
     start = time.perf_counter()
     jax.block_until_ready(params)  # the previous step's update: training time, not sampling
     ready = time.perf_counter()
-    host = {k: np.asarray(jax.device_get(batch[k])) for k in ("tokens", "segment_ids", "index")}
-    lengths = host["segment_ids"].sum(axis=1).astype(np.int32)
-    G = self.s.group_size if training else 1
-    prompts_RP, lengths_R = np.repeat(host["tokens"], G, axis=0), np.repeat(lengths, G)
-    if training:
-      seeds = np.asarray(jax.device_get(batch["seed"]))
-      keys = jax.vmap(jax.random.key)(jnp.asarray(np.repeat(seeds, G), jnp.uint32))
-      keys = jax.vmap(jax.random.fold_in)(keys, jnp.tile(jnp.arange(G), len(seeds)))
-    else:  # greedy: the keys are not read
-      keys = jax.vmap(jax.random.key)(jnp.zeros(len(lengths_R), jnp.uint32))
-    split = "train" if training else "eval"
-    out = self._rollouts(params, prompts_RP, lengths_R, keys, split=split)
+    training, lengths_R, out = self._rollout(batch, params)
     sampled = time.perf_counter()
-    valid = lengths_R > 0  # a held-out batch's padding rows have no prompt
-    rows, scored = self._score(out, lengths_R, np.repeat(host["index"], G), valid, split)
+    G = self.s.group_size if training else 1
+    index_R = np.repeat(np.asarray(jax.device_get(batch["index"])), G)
+    rows, scored, _ = self._score(out, lengths_R, index_R, lengths_R > 0, training)
     rewarded = time.perf_counter()
     if not training:
       return {**batch, **self._place(scored)}
@@ -328,16 +316,78 @@ class GRPO(tasks.Task):
     self._since = time.perf_counter()
     return rows
 
-  def _score(self, out, lengths_R, index_R, valid, split):
+  def _rollout(self, batch, params):
+    """(training, lengths_R, out [R, P + N]): a training batch's prompts (it carries their
+    rollouts' seeds) each continued group_size times, sampled; a held-out batch's once, greedy.
+    A held-out batch's padding rows have length 0."""
+    training = "seed" in batch
+    host = {k: np.asarray(jax.device_get(batch[k])) for k in ("tokens", "segment_ids")}
+    lengths = host["segment_ids"].sum(axis=1).astype(np.int32)
+    G = self.s.group_size if training else 1
+    prompts_RP, lengths_R = np.repeat(host["tokens"], G, axis=0), np.repeat(lengths, G)
+    if training:
+      seeds = np.asarray(jax.device_get(batch["seed"]))
+      keys = jax.vmap(jax.random.key)(jnp.asarray(np.repeat(seeds, G), jnp.uint32))
+      keys = jax.vmap(jax.random.fold_in)(keys, jnp.tile(jnp.arange(G), len(seeds)))
+    else:  # greedy: the keys are not read
+      keys = jax.vmap(jax.random.key)(jnp.zeros(len(lengths_R), jnp.uint32))
+    split = "train" if training else "eval"
+    return training, lengths_R, self._rollouts(params, prompts_RP, lengths_R, keys, split=split)
+
+  def samples(self, data, *, cfg, split: str, count: int) -> list[dict]:
+    """The first `count` prompts of `split` with their completions, as the run's first step
+    samples them (train: group_size each, at the run's temperature) or its evaluation does
+    (eval: one, greedy), from the weights the run starts from (init_from's; fresh ones without),
+    each scored: [{"prompt": messages, "completions": [{"text", "reward", "rewards": {name:
+    value}, "tokens", "truncated"}]}]."""
+    from nnx_zoo.common.hub import weights
+
+    self.prepare(data, cfg=cfg)
+    if cfg.init_from:
+      _, params = weights.init_from_params(cfg)
+    else:
+      params = nnx.state(models.build(cfg.model, seed=cfg.seed), nnx.Param)
+    if split == "train":
+      batch = next(iter(data.iterator))
+    else:
+      if data.eval is None:
+        raise UserError("This experiment has no held-out prompts: set data.eval_files.")
+      batch = next(iter(data.eval_batches(data.eval, batch_size=cfg.train.batch_size)))
+    batch = {k: np.asarray(v)[:count] for k, v in batch.items()}
+    training, lengths_R, out = self._rollout(batch, params)
+    G = self.s.group_size if training else 1
+    index_R = np.repeat(batch["index"], G)
+    valid = lengths_R > 0
+    _, scored, texts = self._score(out, lengths_R, index_R, valid, training)
+    records, _ = self._split("train" if training else "eval")
+    shown = []
+    for r in np.flatnonzero(valid):
+      if r % G == 0:
+        shown.append({"prompt": records[index_R[r]]["prompt"], "completions": []})
+      shown[-1]["completions"].append(
+        {
+          "text": texts[r],
+          "reward": float(scored["reward"][r]),
+          "rewards": {f.name: float(scored["rewards"][r, i]) for i, f in enumerate(self.rewards)},
+          "tokens": int(scored["length"][r]),
+          "truncated": bool(scored["truncated"][r]),
+        }
+      )
+    return shown
+
+  def _score(self, out, lengths_R, index_R, valid, training: bool):
     """The completions of `out` [R, P + N] (each row's prompt then its tokens) cut at their end of
-    turn, scored: the training rows (tokens, segment_ids, loss_weights) and {reward [R] (the
-    weighted total), rewards [R, F], length, truncated, valid}."""
+    turn, scored: the training rows (tokens, segment_ids, loss_weights), {reward [R] (the
+    weighted total), rewards [R, F], length, truncated, valid}, and each row's completion text
+    ("" for a row that is not valid)."""
+    split = "train" if training else "eval"
     s, (R, L) = self.s, out.shape
     N = s.max_new_tokens
     records, _ = self._split(split)
     kept = np.zeros(R, np.int32)
     truncated = np.zeros(R, bool)
     prompts, completions, fields = [], [], {}
+    texts = [""] * R
     live = np.flatnonzero(valid)
     for r in live:
       new = out[r, lengths_R[r] : lengths_R[r] + N]
@@ -346,7 +396,8 @@ class GRPO(tasks.Task):
       truncated[r] = stop is None
       record = records[index_R[r]]
       prompts.append(record["prompt"])
-      completions.append([{"role": "assistant", "content": self._tokenizer.decode(content)}])
+      texts[r] = self._tokenizer.decode(content)
+      completions.append([{"role": "assistant", "content": texts[r]}])
       for k, v in record.items():
         if k != "prompt":
           fields.setdefault(k, []).append(v)
@@ -378,7 +429,7 @@ class GRPO(tasks.Task):
       "truncated": truncated.astype(np.float32),
       "valid": valid.astype(np.float32),
     }
-    return rows, scored
+    return rows, scored, texts
 
   def _place(self, arrays: dict) -> dict:
     """Host arrays as the step takes them: split over the batch axes of the mesh."""

@@ -8,7 +8,7 @@ import numpy as np
 
 from nnx_zoo.common import tasks
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.train import losses
+from nnx_zoo.common.tasks import losses
 
 
 class LanguageModel(tasks.Task):

@@ -30,8 +30,7 @@ from flax import nnx
 
 from nnx_zoo.common import models, parallel, tasks
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.tasks import reference
-from nnx_zoo.common.train import losses
+from nnx_zoo.common.tasks import losses, reference
 
 
 def config(beta: float = 0.1) -> ml_collections.ConfigDict:

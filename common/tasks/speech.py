@@ -10,7 +10,7 @@ import numpy as np
 from nnx_zoo.common import files, tasks
 from nnx_zoo.common.data import audio
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.train import losses
+from nnx_zoo.common.tasks import losses
 
 
 def transcript(

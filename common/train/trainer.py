@@ -1,5 +1,6 @@
-"""The one trainer for every family, in the order it runs: mesh and workdir, data, a train
-state (fresh, restored, or initialised from another checkpoint), then the loop.
+"""The one trainer for every family, in the order it runs: the layout, the weights (a train state
+restored, fresh, or fresh with another checkpoint's weights), the workdir, the data, the task's
+own start-up, then the loop.
 
 The step itself (`common/train/step.py`) is a pure `train_step(state, batch) -> (state,
 metrics)`; everything here is start-up and bookkeeping around it.
@@ -26,49 +27,44 @@ from nnx_zoo.common.train.metrics import MetricsLog
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:
-  """Trains `cfg` in `workdir`, resuming from its latest checkpoint; returns the last metrics."""
+  """Trains `cfg` (resolved: experiments.get_config) in `workdir`, resuming from its latest
+  checkpoint; returns the last metrics."""
   from tqdm import tqdm
 
-  # Mesh and workdir: every misfit is refused before anything is written.
-  sizes = mesh.resolve(cfg.mesh, jax.device_count())
-  parallel.check_experiment(cfg, sizes)
-  layout = parallel.experiment_layout(cfg, sizes) if jax.device_count() > 1 else None
-  resuming = checkpoint.has_steps(workdir)
-  init_from = None  # a new run from init_from: read and checked before anything is written
-  if cfg.init_from and not resuming:
-    init_from = weights.init_params(cfg, nnx.state(models.abstract(cfg.model), nnx.Param))
-  kinds.check(cfg)  # the data against the model (its tokenizer, its chat template)
+  # Layout: a mesh that does not fit is refused before anything is read or written; so is a
+  # workdir that holds a run of another model or data.
+  layout = experiment_layout(cfg)
   check_workdir(cfg, workdir)
 
-  # Data: what cfg.data.kind's module of common/data/ loads (`load_data`)
-  data = load_data(cfg, layout=layout, checked=True)
-  data_iter = data.iterator
-
-  # State: restored (the newest step that restores; damaged newer ones are set aside), or fresh,
-  # with init_from's weights in place of the fresh ones it gives.
+  # Weights: resumed, fresh, or fresh with init_from's in their place (`start_state`)
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  state, shardings = start_state(cfg, tx, layout, workdir)
+
+  # The workdir, once the data fits the model (its tokenizer, its chat template): config.json,
+  # the first file written, and the checkpoints
+  kinds.check(cfg)
+  write_config(cfg, workdir)
   ckpts = checkpoint.Checkpoints(workdir, keep=cfg.train.keep_checkpoints)
+
+  # Data: what cfg.data.kind's module of common/data/ loads; a resumed run's continues where
+  # its step left it
+  data = load_data(cfg, layout=layout, checked=True)
+  start = int(state.step)
+  if start:
+    ckpts.restore_data(start, data.iterator)
+
+  # The task's own start-up (dpo and grpo: the reference model), then the step
+  task = tasks.of(cfg).prepare(data, cfg=cfg, layout=layout)
+  step_fn = steps.make_train_step(cfg, tx=tx, layout=layout, shardings=shardings)
+
+  # Loop
+  data_iter = data.iterator
   meta = {"family": cfg.model.family, "model": cfg.model.to_dict(), "data": cfg.data.to_dict()}
   if cfg.train.ema:  # the readers of the checkpoint take the average (weights.params_key)
     meta["weights"] = "ema"
-  abstract, shardings = steps.placed_abstract_state(cfg, tx, layout)
-  if ckpts.latest_step() is not None:
-    state = ckpts.restore_latest(abstract, data_iterator=data_iter)
-  else:
-    state = jax.jit(lambda: steps.init_state(cfg, tx)[1], out_shardings=shardings)()
-    if init_from is not None:  # what it does not give (adapters, init_reinit) stays fresh
-      params = weights.with_init_from(init_from, state.params, shardings.params)
-      state = dataclasses.replace(state, params=params)
-      if state.ema is not None:  # the average starts at the loaded weights (its own buffers)
-        state = dataclasses.replace(state, ema=jax.tree.map(jnp.copy, params))
-  start = int(state.step)
-  task = tasks.of(cfg).prepare(data, cfg=cfg, layout=layout)  # dpo: its reference model
-  step_fn = steps.make_train_step(cfg, tx=tx, layout=layout, shardings=shardings)
   graphdef = nnx.graphdef(models.abstract(cfg.model))
   tokens_per_step = cfg.train.batch_size * data.tokens_per_row
   lr_at = optim.schedule(cfg.optim, cfg.train.steps)
-
-  # Loop
   log = MetricsLog(workdir)
   bar = tqdm(
     total=cfg.train.steps,
@@ -128,7 +124,42 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   return last
 
 
-# Start-up pieces (also used by `zoo eval`)
+# Start-up pieces (also used by `zoo eval` and `zoo data`)
+
+
+def experiment_layout(cfg) -> parallel.Layout | None:
+  """The layout of the mesh `cfg.mesh` on this job's devices (None on one device), the model,
+  batch and pipeline checked against it."""
+  sizes = mesh.resolve(cfg.mesh, jax.device_count())
+  parallel.check_experiment(cfg, sizes)
+  return parallel.experiment_layout(cfg, sizes) if jax.device_count() > 1 else None
+
+
+def start_state(cfg, tx, layout, workdir: str):
+  """The train state the loop starts from, and its shardings: the newest step in `workdir` that
+  restores (damaged newer ones are set aside; its data iterator is restored once the data is
+  loaded, `Checkpoints.restore_data`); else a fresh state, with the weights of `cfg.init_from`
+  in place of its fresh params (what init_from does not give, adapters and init_reinit, stays
+  fresh). A new run writes nothing here: a checkpoint that does not fit leaves no workdir."""
+  abstract, shardings = steps.placed_abstract_state(cfg, tx, layout)
+  if checkpoint.has_steps(workdir):
+    ckpts = checkpoint.Checkpoints(workdir, keep=cfg.train.keep_checkpoints)
+    try:
+      state = ckpts.restore_latest(abstract, with_data=True)
+    finally:
+      ckpts.close()
+    if state is not None:
+      return state, shardings
+  init_from = None
+  if cfg.init_from:
+    init_from = weights.init_params(cfg, nnx.state(models.abstract(cfg.model), nnx.Param))
+  state = jax.jit(lambda: steps.init_state(cfg, tx)[1], out_shardings=shardings)()
+  if init_from is not None:
+    params = weights.with_init_from(init_from, state.params, shardings.params)
+    state = dataclasses.replace(state, params=params)
+    if state.ema is not None:  # the average starts at the loaded weights (its own buffers)
+      state = dataclasses.replace(state, ema=jax.tree.map(jnp.copy, params))
+  return state, shardings
 
 
 def load_data(
@@ -145,8 +176,8 @@ def load_data(
 
 
 def check_workdir(cfg, workdir: str):
-  """Writes DIR/config.json, or checks that the one there describes the same model and data."""
-  files.check_writable(workdir, checkpoint.directory(workdir))  # now, not at the first save
+  """That the config.json of a run in `workdir` describes the same model and data as `cfg`
+  (`write_config` writes it). Reads only."""
   path = os.path.join(workdir, "config.json")
   # Only checkpoints can be mixed up: a config.json alone (of a run refused for bad data, say)
   # is replaced. data.long_records checks the data without changing it, data.workers only reads
@@ -167,8 +198,15 @@ def check_workdir(cfg, workdir: str):
         "it with this experiment would mix the two: use a new --workdir, or the settings of "
         "the first run."
       )
-  if jax.process_index() == 0:  # the other processes may be reading it (above): replaced whole
-    with files.replacing(path) as tmp, open(tmp, "w") as f:
+
+
+def write_config(cfg, workdir: str):
+  """Writes workdir/config.json (process 0; replaced whole, as the others may be reading it),
+  once the workdir and its checkpoint directory are found writable (now, not at the first
+  save)."""
+  files.check_writable(workdir, checkpoint.directory(workdir))
+  if jax.process_index() == 0:
+    with files.replacing(os.path.join(workdir, "config.json")) as tmp, open(tmp, "w") as f:
       f.write(config_lib.to_json(cfg))
 
 

@@ -55,7 +55,7 @@ def get_config(arg=None):
 
   # Training: tokens_per_s logged every step; no evaluation, one checkpoint at the end.
   # Head + loss 512 tokens at a time: the [2048, 32000] logits never held whole
-  # (common/train/losses.py); measured 14% faster a step here than 0 (off).
+  # (common/tasks/losses.py); measured 14% faster a step here than 0 (off).
   c.train = settings.train(
       steps=20, batch_size=8, log_every=1, checkpoint_every=20, keep_checkpoints=1,
       loss_chunk=512,

@@ -24,8 +24,8 @@ Data:      the first 1,437 of the 1,797 8x8 grey digits of `sklearn.datasets.loa
 import ml_collections
 
 from nnx_zoo.common import mesh
-from nnx_zoo.common.data import images
-from nnx_zoo.common.train import diffusion, settings
+from nnx_zoo.common.data import diffusion, images
+from nnx_zoo.common.train import settings
 from nnx_zoo.zoo.dit import model as dit
 
 
@@ -37,7 +37,7 @@ def get_config(arg=None):
   c.init_reinit = ""  # params of init_from to start fresh instead (globs, e.g. "head.*")
 
   # Data: 8x8 digits, one channel in [0, 1], as they are; each drawn with a timestep and noise
-  # (DDPM's forward process, common/train/diffusion.py).
+  # (DDPM's forward process, common/data/diffusion.py).
   c.data = images.config(kind="digits", augment="none")
 
   # Model: 2x2 patches (16 tokens), 4 adaLN-Zero blocks, D=96, 4 heads of 24; 10 classes and

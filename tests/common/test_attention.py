@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from nnx_zoo.common import attention_impl
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import attention, attention_impl, attention_ref, attention_report, position
+from nnx_zoo.common.nn import attention, attention_ref, attention_report, position
 
 # ---------------------------------------------------------------------------------------------
 # Independent references (numpy, float64, one head at a time).

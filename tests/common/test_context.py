@@ -11,7 +11,7 @@ import pytest
 from nnx_zoo.common import mesh, parallel
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import attention_ref
-from nnx_zoo.common.train import losses
+from nnx_zoo.common.tasks import losses
 from nnx_zoo.common.train import step as steps
 
 

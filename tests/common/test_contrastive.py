@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_zoo.common.train import contrastive
+from nnx_zoo.common.tasks import contrastive_loss
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -46,9 +46,9 @@ def embeddings(n=16, p=8, seed=0):
 @pytest.mark.parametrize("scale", [1.0, 14.3, 100.0])
 def test_plain_loss_equals_numpy(scale):
   image, text = embeddings()
-  got = contrastive.contrastive_loss(image, text, logit_scale=scale)
+  got = contrastive_loss.contrastive_loss(image, text, logit_scale=scale)
   np.testing.assert_allclose(got, numpy_clip_loss(image, text, scale), rtol=1e-5)
-  total, count = contrastive.contrastive_sums(image, text, logit_scale=scale)
+  total, count = contrastive_loss.contrastive_sums(image, text, logit_scale=scale)
   assert count == 16
   np.testing.assert_allclose(total / count, got, rtol=1e-6)
 
@@ -58,7 +58,7 @@ def test_padding_rows_count_for_nothing():
   weights = jnp.asarray([1.0] * 12 + [0.0] * 4)
   # Padding rows of zeros (as a padded eval batch) or of anything: neither scored nor negatives.
   for pad in (jnp.zeros((4, 8)), jnp.ones((4, 8))):
-    got = contrastive.contrastive_loss(
+    got = contrastive_loss.contrastive_loss(
       image.at[12:].set(pad), text.at[12:].set(pad), logit_scale=10.0, weights_B=weights
     )
     np.testing.assert_allclose(got, numpy_clip_loss(image[:12], text[:12], 10.0), rtol=1e-5)
@@ -69,7 +69,7 @@ def test_gradients_equal_numpy_finite_differences():
   image, text = embeddings(n=6, p=4, seed=1)
 
   def loss(image, text):
-    return contrastive.contrastive_loss(image, text, logit_scale=5.0)
+    return contrastive_loss.contrastive_loss(image, text, logit_scale=5.0)
 
   g_image, g_text = jax.jit(jax.grad(loss, (0, 1)))(image, text)
   eps, x, t = 1e-6, np.asarray(image, np.float64), np.asarray(text, np.float64)
@@ -87,7 +87,7 @@ SHARDED = textwrap.dedent(
   import json, sys
   import jax, jax.numpy as jnp, numpy as np
   from nnx_zoo.common import parallel
-  from nnx_zoo.common.train import contrastive
+  from nnx_zoo.common.tasks import contrastive_loss
 
   P = parallel.P
   k1, k2 = jax.random.split(jax.random.key(0))
@@ -97,10 +97,10 @@ SHARDED = textwrap.dedent(
   scale = jnp.float32(12.0)
 
   def loss(image, text, scale, weights):
-    return contrastive.contrastive_loss(image, text, logit_scale=scale, weights_B=weights)
+    return contrastive_loss.contrastive_loss(image, text, logit_scale=scale, weights_B=weights)
 
   def total(image, text, scale, weights):  # what the trainer differentiates: the local sum
-    return contrastive.contrastive_sums(image, text, logit_scale=scale, weights_B=weights)[0]
+    return contrastive_loss.contrastive_sums(image, text, logit_scale=scale, weights_B=weights)[0]
 
   def results(fn_loss, fn_total):
     out = {}

@@ -1,4 +1,5 @@
-"""The diffusion task (common/train/diffusion.py) against numpy references written from the
+"""Diffusion (the forward process, common/data/diffusion.py; the denoiser task's objective and
+sampler, common/tasks/denoiser.py) against numpy references written from the
 papers' formulas: DDPM's schedule and forward process, the DDIM update, the whole guided sampling
 loop on a stand-in denoiser, the loss sums, and the sample measures."""
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common.train import diffusion
+from nnx_zoo.common.data import diffusion
+from nnx_zoo.common.tasks import denoiser
 
 CFG = diffusion.config(steps=100, beta_start=1e-4, beta_end=0.05, label_drop=0.25)
 
@@ -24,7 +26,7 @@ def np_alpha_bars(T, b0, b1):
 
 def test_schedule_is_ddpm_linear_betas():
   np.testing.assert_allclose(diffusion.alpha_bars(CFG), np_alpha_bars(100, 1e-4, 0.05), rtol=1e-12)
-  ts = diffusion.sample_timesteps(CFG, 5)
+  ts = denoiser.sample_timesteps(CFG, 5)
   assert ts.tolist() == [99, 74, 50, 25, 0]
 
 
@@ -76,9 +78,7 @@ def np_ddim_step(x, eps, ab_t, ab_prev, eta, z):
 def test_ddim_step_matches_the_formula(eta):
   rng = np.random.default_rng(0)
   x, eps, z = (rng.standard_normal((3, 4, 4, 1)) for _ in range(3))
-  got, _ = diffusion.ddim_step(
-    jnp.asarray(x), jnp.asarray(eps), 0.3, 0.6, eta=eta, z=jnp.asarray(z)
-  )
+  got, _ = denoiser.ddim_step(jnp.asarray(x), jnp.asarray(eps), 0.3, 0.6, eta=eta, z=jnp.asarray(z))
   np.testing.assert_allclose(got, np_ddim_step(x, eps, 0.3, 0.6, eta, z), atol=1e-5)
 
 
@@ -98,7 +98,7 @@ class Stand(nnx.Module):
 def test_guided_sampling_loop_matches_a_numpy_loop(guidance):
   labels = np.array([1, 7])
   x = np.random.default_rng(0).standard_normal((2, 4, 4, 1))
-  got = diffusion.sample(
+  got = denoiser.sample(
     Stand(), labels, cfg=CFG, guidance=guidance, sample_steps=6, eta=0.0, noise=x
   )
   ab = np_alpha_bars(100, 1e-4, 0.05)
@@ -127,7 +127,7 @@ def test_denoise_sums_are_weighted_squared_errors():
     "noise": jnp.asarray(noise),
     "weights": jnp.asarray([1.0, 1.0, 0.0]),
   }
-  total, count = diffusion.denoise_sums(Zero(), batch)
+  total, count = denoiser.denoise_sums(Zero(), batch)
   np.testing.assert_allclose(total, (noise[:2] ** 2).mean(axis=(1, 2, 3)).sum(), rtol=1e-6)
   assert float(count) == 2
 
@@ -140,8 +140,8 @@ def test_sample_measures():
   train[labels == 2, 2:] += 1.0
   a, b = rng.random((7, 16)), rng.random((5, 16))
   brute = np.sqrt(((a[:, None] - b[None]) ** 2).sum(-1)).min(1)
-  np.testing.assert_allclose(diffusion.nearest_distances(a, b), brute, rtol=1e-6)
-  copies = diffusion.sample_quality(train, labels, train, labels)
+  np.testing.assert_allclose(denoiser.nearest_distances(a, b), brute, rtol=1e-6)
+  copies = denoiser.sample_quality(train, labels, train, labels)
   assert copies["novel_fraction"] == 0.0 and copies["sample_accuracy"] == 1.0
-  far = diffusion.sample_quality(train + 5.0, labels, train, labels)
+  far = denoiser.sample_quality(train + 5.0, labels, train, labels)
   assert far["novel_fraction"] == 1.0

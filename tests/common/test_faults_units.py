@@ -20,7 +20,8 @@ from nnx_zoo.common import cli, experiments, files, tasks
 from nnx_zoo.common.data import pipeline
 from nnx_zoo.common.errors import Preempted, UserError
 from nnx_zoo.common.hub import checkpoint, weights
-from nnx_zoo.common.train import faults, losses, metrics, optim, trainer
+from nnx_zoo.common.tasks import losses
+from nnx_zoo.common.train import faults, metrics, optim, trainer
 from nnx_zoo.common.train import step as steps
 
 TASK = tasks.get("language_model")  # the task of every batch here
@@ -448,8 +449,13 @@ def test_eval_files_that_match_nothing_name_their_key(tmp_path):
 def test_a_config_json_without_checkpoints_does_not_lock_the_workdir(tmp_path):
   """A run refused for bad data leaves config.json; the corrected rerun must not be refused."""
   workdir = str(tmp_path / "run")
-  trainer.check_workdir(smoke_config({"data.eval_plays": "hamlet"}), workdir)
-  trainer.check_workdir(smoke_config(), workdir)  # different data, but nothing trained yet
+
+  def start(cfg):  # what `train` does before its first step
+    trainer.check_workdir(cfg, workdir)
+    trainer.write_config(cfg, workdir)
+
+  start(smoke_config({"data.eval_plays": "hamlet"}))
+  start(smoke_config())  # different data, but nothing trained yet
   os.makedirs(os.path.join(checkpoint.directory(workdir), "2"))
   with pytest.raises(UserError, match="different model or data"):
     trainer.check_workdir(smoke_config({"data.eval_plays": "hamlet"}), workdir)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import experiments, models, sampling, tasks
+from nnx_zoo.common import experiments, models, report, sampling, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import weights
 from nnx_zoo.common.nn import lora
@@ -407,6 +407,45 @@ def test_a_data_x_fsdp_mesh_steps_as_one_device(tmp_path):
     for key in ("loss", "grad_norm"):
       if key in a:
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.slow
+def test_data_show_prints_the_first_steps_completions_with_their_rewards(tmp_path, monkeypatch):
+  """`zoo data show` of a grpo experiment: its first prompts, each with the group_size
+  completions the run's first step samples (the same texts), each with the reward the function
+  gives it; --split eval: one greedy completion a prompt."""
+  cfg = smoke(tmp_path, **{"train.steps": "1", "train.eval_every": "0"})
+  shown = [
+    json.loads(line) for line in report.show(cfg, split="train", count=2, as_json=True).splitlines()
+  ]
+  G = cfg.grpo.group_size
+  assert [len(m["completions"]) for m in shown] == [G, G]
+  for m in shown:
+    letter = m["prompt"][0]["content"].split()[1]  # "Say a 3 times": its record's letter
+    for c in m["completions"]:
+      text = c["text"]
+      assert c["reward"] == pytest.approx(text.count(letter) / max(len(text), 1), abs=1e-6)
+      assert c["rewards"] == {"share_of_letter": pytest.approx(c["reward"], abs=1e-6)}
+  text = report.show(cfg, split="train", count=1, as_json=False)
+  assert text.startswith("════ prompt 0") and "──── completion 3: reward" in text
+
+  sampled = []
+  score = grpo.GRPO._score
+
+  def recording(self, out, lengths_R, index_R, valid, training):
+    rows, scored, texts = score(self, out, lengths_R, index_R, valid, training)
+    if training:
+      sampled.append(texts)
+    return rows, scored, texts
+
+  monkeypatch.setattr(grpo.GRPO, "_score", recording)
+  trainer.train(cfg, str(tmp_path / "run"), progress=False)
+  assert [c["text"] for m in shown for c in m["completions"]] == sampled[0][: 2 * G]
+
+  held_out = [
+    json.loads(line) for line in report.show(cfg, split="eval", count=3, as_json=True).splitlines()
+  ]
+  assert [len(m["completions"]) for m in held_out] == [1, 1, 1]
 
 
 @pytest.mark.slow

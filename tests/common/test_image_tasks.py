@@ -15,7 +15,8 @@ from nnx_zoo.common import cli, experiments, mesh, models, parallel, plan, tasks
 from nnx_zoo.common.data import images
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import weights
-from nnx_zoo.common.train import losses, metrics, trainer
+from nnx_zoo.common.tasks import losses
+from nnx_zoo.common.train import metrics, trainer
 from nnx_zoo.zoo.clip import model as clip
 
 VIT, CLIP = "vision/vit-digits:smoke", "vision/clip-digits:smoke"

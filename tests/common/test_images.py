@@ -299,7 +299,7 @@ def test_mixed_labels_weigh_the_loss():
   is the plain loss; eval batches (no mix keys) are scored as before."""
   import jax.numpy as jnp
 
-  from nnx_zoo.common.train import losses
+  from nnx_zoo.common.tasks import losses
 
   class Fixed:
     def classify(self, images_BHWC):

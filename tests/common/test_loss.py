@@ -1,4 +1,4 @@
-"""train.loss_chunk: the chunked head + cross-entropy (common/train/losses.py) equals the plain
+"""train.loss_chunk: the chunked head + cross-entropy (common/tasks/losses.py) equals the plain
 one in values and gradients, tied or untied, with a chunk that does not divide the tokens."""
 
 import jax
@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from nnx_zoo.common import models
-from nnx_zoo.common.train import losses
+from nnx_zoo.common.tasks import losses
 from nnx_zoo.zoo.llama import model as llama
 
 

@@ -327,8 +327,7 @@ FLASH_RECIPES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("name,overrides", FLASH_RECIPES)
 def test_flash_attention_train_step_compiles_for_tpu(name, overrides, caplog):
-  from nnx_zoo.common import parallel
-  from nnx_zoo.common.nn import attention_impl
+  from nnx_zoo.common import attention_impl, parallel
 
   attention_impl._logged.clear()
   topology = plan.parse_topology("v5e:2x2")
@@ -391,7 +390,7 @@ def test_plan_compiles_a_pipelined_step_and_reports_its_schedule(capsys):
   """Pipeline 2 x fsdp 4 on a v5e-8: the plan's pipeline line (bubble (S - 1) / (M + S - 1) =
   1 / 5 with M = 2 x stages, the stage's weights, what it keeps and sends), and a time estimate
   whose layers are the stage's share stretched by the bubbles. "auto" attention runs the XLA
-  path inside the stages, where splash fails to lower (common/nn/attention_impl.py's RULES)."""
+  path inside the stages, where splash fails to lower (common/attention_impl.py's RULES)."""
   argv = ["plan", "lm/llama3-8b:smoke", "--topology", "v5e-8", "--config.mesh.pipeline=2"]
   argv += ["--config.mesh.fsdp=4", "--config.model.scan=True", "--config.model.num_layers=4"]
   argv += ["--config.train.batch_size=16"]

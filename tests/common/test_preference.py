@@ -142,7 +142,7 @@ def test_identical_replies_refused(tmp_path):
 
 
 def test_data_show_prints_each_pair_as_its_two_rows(setup):
-  from nnx_zoo.common.data import report
+  from nnx_zoo.common import report
 
   cfg = setup[0]
   chosen, rejected = report.rows(cfg, count=2)

@@ -11,7 +11,7 @@ import pytest
 from nnx_zoo.common import cli, experiments
 from nnx_zoo.common.data import pipeline, prepare, prepared, tokenizers
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.train import losses
+from nnx_zoo.common.tasks import losses
 
 PLAYS = dict(kind="shakespeare", train_plays="macbeth,othello,tempest", eval_plays="hamlet")
 

@@ -15,7 +15,8 @@ from flax import nnx
 from nnx_zoo.common import cli, config, experiments, models, tasks
 from nnx_zoo.common.data import spans, tokenizers
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.train import losses, trainer
+from nnx_zoo.common.tasks import losses
+from nnx_zoo.common.train import trainer
 from nnx_zoo.zoo.t5 import model as t5
 
 SMOKE = "seq2seq/shakespeare-spans:smoke"

@@ -10,7 +10,8 @@ import pytest
 from nnx_zoo.common import cli, experiments, parallel, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import weights
-from nnx_zoo.common.train import losses, trainer
+from nnx_zoo.common.tasks import losses
+from nnx_zoo.common.train import trainer
 
 
 def test_every_experiment_names_a_task_that_inference_agrees_with():

@@ -21,7 +21,8 @@ from nnx_zoo.common.data import pipeline
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
 from nnx_zoo.common.nn import stacking
-from nnx_zoo.common.train import losses, metrics, optim, settings, trainer
+from nnx_zoo.common.tasks import losses
+from nnx_zoo.common.train import metrics, optim, settings, trainer
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.zoo.llama import model as llama
 

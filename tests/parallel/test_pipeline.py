@@ -94,15 +94,15 @@ def test_bad_pipelines_are_refused_naming_the_fix(overrides, sizes, message):
 def test_models_of_two_stacks_are_refused(exp, message):
   cfg = experiments.get_config(exp, {})
   with pytest.raises(UserError, match=message):
-    pipeline.check(cfg, {**SIZES, "pipeline": 2})
+    parallel.check_pipeline(cfg, {**SIZES, "pipeline": 2})
 
 
 def test_pipeline_one_is_off_and_the_new_keys_default_to_it():
   cfg = cfg_of()
   assert cfg.mesh.pipeline == 1 and cfg.model.pipeline_repeats == 1
   assert cfg.train.pipeline_microbatches == 0
-  assert pipeline.microbatches(cfg.train, 4) == 8
-  pipeline.check(cfg, {**SIZES, "pipeline": 1})
+  assert parallel.pipeline_microbatches(cfg.train, 4) == 8
+  parallel.check_pipeline(cfg, {**SIZES, "pipeline": 1})
 
 
 def run(args: list[str], devices: int = 8) -> subprocess.CompletedProcess:

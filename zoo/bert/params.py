@@ -7,7 +7,7 @@ A torch Linear weight is [out, in], our kernel [in, out]: transposed. q/k/v/o st
 import ml_collections
 
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub.keymap import copy, linear, plain_transformer_activation
+from nnx_zoo.common.keymap import copy, linear, plain_transformer_activation
 from nnx_zoo.zoo.bert import model as bert
 
 MODEL_TYPES = ("bert",)

@@ -13,7 +13,7 @@ import math
 import ml_collections
 
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub.keymap import (
+from nnx_zoo.common.keymap import (
   copy,
   linear,
   patch_conv,

@@ -12,7 +12,7 @@ are transposed; the fixed sin-cos positions are a buffer diffusers does not save
 import ml_collections
 
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub.keymap import copy, linear, patch_conv, tied, transpose
+from nnx_zoo.common.keymap import copy, linear, patch_conv, tied, transpose
 from nnx_zoo.zoo.dit import model as dit
 
 MODEL_TYPES = ("DiTTransformer2DModel",)

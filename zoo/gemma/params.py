@@ -7,9 +7,9 @@ pattern (its shortest period), with a "sliding" kind for "sliding_attention" lay
 
 import ml_collections
 
+from nnx_zoo.common import keymap
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub import keymap
-from nnx_zoo.common.hub.keymap import copy
+from nnx_zoo.common.keymap import copy
 from nnx_zoo.zoo.gemma import model as gemma
 
 MODEL_TYPES = ("gemma2", "gemma3_text")

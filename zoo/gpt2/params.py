@@ -7,7 +7,7 @@ they are. c_attn fuses q, k and v along its output dim: split in three (concaten
 import ml_collections
 
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub.keymap import copy, plain_transformer_activation, split, transpose
+from nnx_zoo.common.keymap import copy, plain_transformer_activation, split, transpose
 from nnx_zoo.zoo.gpt2 import model as gpt2
 
 MODEL_TYPES = ("gpt2",)

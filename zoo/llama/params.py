@@ -12,9 +12,9 @@ layer pattern with a "dense" kind.
 
 import ml_collections
 
+from nnx_zoo.common import keymap
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub import keymap
-from nnx_zoo.common.hub.keymap import copy, transpose
+from nnx_zoo.common.keymap import copy, transpose
 from nnx_zoo.zoo.llama import model as llama
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")

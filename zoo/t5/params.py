@@ -14,9 +14,9 @@ of its own (v1.1, FLAN-T5), which is then kept apart: so the head is untied exac
 
 import ml_collections
 
+from nnx_zoo.common import keymap
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub import keymap
-from nnx_zoo.common.hub.keymap import copy, linear
+from nnx_zoo.common.keymap import copy, linear
 from nnx_zoo.zoo.t5 import model as t5
 
 MODEL_TYPES = ("t5",)

@@ -10,7 +10,7 @@ transposed. HF's ViTImageProcessor normalises with mean = std = 0.5, the zoo mod
 import ml_collections
 
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub.keymap import (
+from nnx_zoo.common.keymap import (
   copy,
   linear,
   patch_conv,

@@ -9,9 +9,9 @@ embedding (tied), as every published Whisper.
 
 import ml_collections
 
+from nnx_zoo.common import keymap
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.hub import keymap
-from nnx_zoo.common.hub.keymap import copy, linear
+from nnx_zoo.common.keymap import copy, linear
 from nnx_zoo.common.nn import position
 from nnx_zoo.zoo.whisper import model as whisper
 

@@ -10,7 +10,7 @@ from flax import nnx
 
 from nnx_zoo.common import hub, models, sampling
 from nnx_zoo.common.nn import stacking
-from nnx_zoo.common.train import losses
+from nnx_zoo.common.tasks import losses
 from nnx_zoo.zoo.gemma import model as gemma
 
 # transformers' own counts (Gemma2ForCausalLM / Gemma3ForCausalLM, tied embeddings).

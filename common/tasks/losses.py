@@ -26,7 +26,7 @@ from nnx_zoo.common import parallel
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import position
 from nnx_zoo.common.nn.encoder_decoder import EncoderDecoder
-from nnx_zoo.common.train import contrastive
+from nnx_zoo.common.tasks import contrastive_loss
 
 
 def cross_entropy_and_grad(logits_MV: jax.Array, targets_M: jax.Array):
@@ -203,8 +203,8 @@ def classify_sums(model, batch: dict) -> tuple[jax.Array, jax.Array]:
 
 def contrastive_sums(model, batch: dict) -> tuple[jax.Array, jax.Array]:
   """CLIP's loss summed over this device's image-caption pairs, each scored against every pair
-  of the global batch (common/train/contrastive.py), and the number of pairs."""
-  return contrastive.contrastive_sums(
+  of the global batch (common/tasks/contrastive_loss.py), and the number of pairs."""
+  return contrastive_loss.contrastive_sums(
     model.encode_image(batch["images"]),
     model.encode_text(batch["text"]),
     logit_scale=model.logit_scale_value(),

@@ -1,4 +1,5 @@
-"""`zoo data show` and `zoo data bench`: the rows a run would see, and how fast they come."""
+"""`zoo data show` and `zoo data bench`: the rows a run would see, and how fast they come. Above the
+trainer, beside the CLI: it reads the data as the trainer does, and runs it to measure its rate."""
 
 import json
 import os
@@ -8,14 +9,16 @@ import time
 
 import numpy as np
 
+from nnx_zoo.common import tasks
+from nnx_zoo.common.data import tokenizers
 from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.tasks import losses
+from nnx_zoo.common.train import trainer
 
 
 def _rows_of(batch: dict) -> dict:
   """A batch as the model reads it: a language model's packed rows become their next-token rows
   (inputs, targets, weights, segment_ids, positions); other token batches stay as they are."""
-  from nnx_zoo.common.train import losses
-
   if np.ndim(batch.get("tokens")) == 3:  # preference pairs [B, 2, T]: chosen, rejected rows
     keys = ("tokens", "segment_ids", "loss_weights")
     batch = {k: np.reshape(batch[k], (-1, np.shape(batch[k])[-1])) for k in keys}
@@ -29,14 +32,12 @@ def _rows_of(batch: dict) -> dict:
   return dict(batch)
 
 
-def rows(cfg, *, split: str = "train", count: int = 4) -> list[dict]:
+def rows(cfg, *, split: str = "train", count: int = 4, data=None) -> list[dict]:
   """The first `count` rows of `split` the trainer would see (the training batches in the
-  order a fresh run draws them), each a dict of lists of ints."""
-  from nnx_zoo.common.train import trainer
-
+  order a fresh run draws them), each a dict of lists of ints. `data`: `trainer.load_data`'s."""
   if split not in ("train", "eval"):
     raise UserError(f"--split {split!r}: use train or eval.")
-  data = trainer.load_data(cfg, train=split == "train")
+  data = data or trainer.load_data(cfg, train=split == "train")
   if split == "train":
     batches = iter(data.iterator)
   else:
@@ -89,9 +90,17 @@ def render(row: dict, tokenizer) -> str:
 
 
 def show(cfg, *, split: str, count: int, as_json: bool) -> str:
-  from nnx_zoo.common.data import tokenizers
-
-  found = rows(cfg, split=split, count=count)
+  """The first `count` rows of `split` as the model reads them: each row's text, or (a task that
+  makes its rows from the data's, grpo) what the task makes of them (`Task.samples`)."""
+  if split not in ("train", "eval"):
+    raise UserError(f"--split {split!r}: use train or eval.")
+  data = trainer.load_data(cfg, train=split == "train")
+  made = tasks.of(cfg).samples(data, cfg=cfg, split=split, count=count)
+  if made is not None:
+    if as_json:
+      return "\n".join(json.dumps(m) for m in made)
+    return "\n".join(render_samples(m, i) for i, m in enumerate(made))
+  found = rows(cfg, split=split, count=count, data=data)
   if as_json:
     return "\n".join(json.dumps(r) for r in found)
   tokenizer = tokenizers.load(cfg.data.tokenizer) if "tokenizer" in cfg.data else None
@@ -102,11 +111,21 @@ def show(cfg, *, split: str, count: int, as_json: bool) -> str:
   return "\n".join(out)
 
 
+def render_samples(made: dict, i: int) -> str:
+  """A prompt and its scored completions (`Task.samples`) as text."""
+  out = [f"════ prompt {i} " + "═" * 40]
+  out += [f"{m['role']}: {m['content']}" for m in made["prompt"]]
+  for j, c in enumerate(made["completions"]):
+    each = ", ".join(f"{k} {v:.3f}" for k, v in c["rewards"].items())
+    cut = ", truncated" if c["truncated"] else ""
+    out.append(f"──── completion {j}: reward {c['reward']:.3f} ({each}), {c['tokens']} tokens{cut}")
+    out.append(c["text"])
+  return "\n".join(out)
+
+
 def pipeline_rate(cfg, *, batches: int = 50) -> dict:
   """The training pipeline's batches and tokens a second on this host (after one batch to
   start it)."""
-  from nnx_zoo.common.train import trainer
-
   data = trainer.load_data(cfg)
   it = data.iterator
   next(it)
@@ -121,8 +140,6 @@ def pipeline_rate(cfg, *, batches: int = 50) -> dict:
 def trainer_rate(cfg, *, steps: int = 5) -> dict:
   """What the trainer consumes: tokens a step and its measured steps a second, from a short
   run in a temporary workdir (the first step, which compiles, is not counted)."""
-  from nnx_zoo.common.train import trainer
-
   cfg = cfg.copy_and_resolve_references()
   cfg.init_from = ""
   cfg.train.update(steps=steps + 1, log_every=1, eval_every=0, checkpoint_every=10**9)
