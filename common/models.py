@@ -15,7 +15,9 @@ from flax import nnx
 
 from nnx_zoo import zoo
 from nnx_zoo.common.errors import UserError, suggest
-from nnx_zoo.common.nn import lora, memory, quant
+from nnx_zoo.common.nn import keys, lora, memory, quant
+from nnx_zoo.common.nn.denoiser import Denoiser
+from nnx_zoo.common.nn.encoder_decoder import EncoderDecoder
 
 # The model keys that say how a model is computed in training, not what it is: a workdir or a
 # checkpoint matches its model whatever they were (the memory levers; quantized matmuls;
@@ -84,7 +86,7 @@ def build(cfg, *, seed: int = 0) -> nnx.Module:
   where `model.lora` asks for them). A config saved before some of today's keys is read as
   today's (`upgrade`): the layers index every key they read."""
   cfg = upgrade(cfg)
-  model = family_module(cfg.family).Model(cfg, rngs=nnx.Rngs(seed))
+  model = family_module(cfg.family).Model(cfg, rngs=keys.Keys(seed))
   lora.apply(model, cfg.lora, seed=seed)
   return model
 
@@ -156,3 +158,26 @@ def _fill(saved: dict, defaults: dict):
       and saved[key].get("kind", value.get("kind")) == value.get("kind")
     ):
       _fill(saved[key], value)
+
+
+def infer_task(cfg) -> str:
+  """The task of a config that names none, from what it holds: a diffusion section (denoiser), a
+  preference section (dpo), a grpo section (grpo), an encoder-decoder of frames (speech) or of
+  tokens (seq2seq), a CLIP pair of towers (contrastive), a classifier head (classifier), else a
+  language model."""
+  if cfg.get("diffusion") is not None:
+    return "denoiser"
+  if cfg.get("preference") is not None:
+    return "dpo"
+  if cfg.get("grpo") is not None:
+    return "grpo"
+  model_cls = family_module(cfg.model.family).Model
+  if issubclass(model_cls, Denoiser):
+    return "denoiser"
+  if issubclass(model_cls, EncoderDecoder):
+    return "speech" if cfg.model.get("inputs") == "frames" else "seq2seq"
+  if "vision" in cfg.model and "text" in cfg.model:
+    return "contrastive"
+  if cfg.model.get("num_labels", 0) or not hasattr(model_cls, "init_cache"):
+    return "classifier"
+  return "language_model"

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnx_zoo.common import programs
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn.encoder_decoder import EncoderDecoder
 
@@ -193,11 +194,7 @@ def generate(
   prompt_BP = jnp.asarray(prompt_BP, jnp.int32)
   P = prompt_BP.shape[1]
   padded_BL = jnp.pad(prompt_BP, ((0, 0), (0, -P % PROMPT_BUCKET)))
-  new_BN = _generate(
-    params,
-    padded_BL,
-    jnp.int32(P),
-    rng,
+  static = dict(
     graphdef=graphdef,
     max_new_tokens=max_new_tokens,
     temperature=float(temperature),
@@ -205,6 +202,19 @@ def generate(
     top_p=float(top_p),
     stop_ids=tuple(sorted({int(i) for i in stop_ids if i is not None and i >= 0})),
   )
+  # Traced once across processes where a persistent compilation cache is on (common/programs.py):
+  # its arguments are arrays, the params as their leaves and the key as its data.
+  leaves, treedef = jax.tree.flatten(params)
+  typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+  impl = jax.random.key_impl(rng) if typed else None
+
+  def run(leaves, padded_BL, length, key):
+    key = jax.random.wrap_key_data(key, impl=impl) if typed else key
+    return _generate(jax.tree.unflatten(treedef, leaves), padded_BL, length, key, **static)
+
+  key = jax.random.key_data(rng) if typed else rng
+  args = (leaves, padded_BL, jnp.int32(P), key)
+  new_BN = programs.run("generate", run, args, static=(static, treedef, impl))
   return jnp.concatenate([prompt_BP, new_BN], axis=1)
 
 

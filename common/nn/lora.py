@@ -20,7 +20,7 @@ from flax import nnx
 
 from nnx_zoo.common import parallel
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import stacking
+from nnx_zoo.common.nn import keys, stacking
 from nnx_zoo.common.nn.linear import Linear
 
 
@@ -120,7 +120,7 @@ def apply(model: nnx.Module, cfg, *, seed: int = 0) -> nnx.Module:
       f"model.lora.targets={cfg.targets!r} matches no projection of this model. Its "
       f"projections (per block): {', '.join(names)}."
     )
-  rngs = nnx.Rngs(seed + 1_000_003)  # its own stream: the base weights are those without LoRA
+  rngs = keys.Keys(seed + 1_000_003)  # its own stream: the base weights are those without LoRA
   adapters = {}  # Linear -> its adapters, one per layer of a stacked Linear
   for lin, r in chosen.values():  # one key each, in the unscanned model's order
     adapter = LoRA(

@@ -1,0 +1,91 @@
+"""Traced programs kept across processes, beside JAX's persistent compilation cache.
+
+The persistent cache keeps compiled programs, but it is keyed by the traced program: every
+process still traces the model in Python before it can look one up (SmolLM2's sampler: about
+2 s of a `zoo chat` start-up). `run(name, fn, args)` keeps the trace too: the first process
+traces `jax.jit(fn)` once, saves it with `jax.export` into an `exported/` folder of the
+compilation cache, and later processes load it (no Python tracing) and run it, their
+compilation then read from the persistent cache.
+
+A saved program is found by a key of everything its trace depends on: `name` and `static` (the
+caller's static arguments: a model's graph), the arguments' tree, shapes and dtypes, the zoo's
+own source files (any edit makes new keys), the versions of jax, jaxlib and flax, and the
+devices. With no persistent cache (`NNX_ZOO_COMPILATION_CACHE=off`, or a process that set none,
+as the tests do) nothing is saved: `fn(*args)`, its jitted parts kept by jax in the process.
+Arguments are arrays only (typed PRNG keys as their key data), on one device.
+"""
+
+import functools
+import hashlib
+import os
+import pathlib
+import re
+
+import jax
+
+from nnx_zoo.common import files
+
+FOLDER = "exported"
+_loaded: dict[str, "jax.export.Exported"] = {}
+
+
+def directory() -> str | None:
+  """Where programs are kept: `exported/` in the persistent compilation cache; None without one."""
+  where = jax.config.jax_compilation_cache_dir
+  return os.path.join(where, FOLDER) if where else None
+
+
+@functools.cache
+def source_digest() -> str:
+  """A digest of the zoo's Python sources (common/, zoo/, kernels/): a program traced from other
+  code is another program."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  digest = hashlib.sha256()
+  for folder in ("common", "zoo", "kernels"):
+    for path in sorted((root / folder).rglob("*.py")):
+      digest.update(str(path.relative_to(root)).encode())
+      digest.update(path.read_bytes())
+  return digest.hexdigest()
+
+
+def key(name: str, static, args) -> str:
+  """The key of `name` traced with `static` on arguments shaped as `args`."""
+  import flax
+  import jaxlib
+
+  parts = [
+    name,
+    re.sub(r" at 0x[0-9a-f]+", "", repr(static)),  # a function's repr holds its address
+    str(jax.tree.structure(args)),
+    str([(x.shape, str(x.dtype)) for x in jax.tree.leaves(args)]),
+    source_digest(),
+    jax.__version__,
+    jaxlib.__version__,
+    flax.__version__,
+    str([d.device_kind for d in jax.devices()]),
+  ]
+  return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def run(name: str, fn, args: tuple, *, static):
+  """`fn(*args)`, traced at most once across processes (see the module's docstring): `fn` is
+  jax-traceable (it calls jitted functions); `static` is what it closes over that shapes its
+  trace (its repr goes into the key). Without a persistent cache, `fn(*args)` as it is."""
+  folder = directory()
+  if folder is None or len(jax.devices()) != 1:
+    return fn(*args)  # what jit keeps in this process is enough
+  path = os.path.join(folder, f"{name}-{key(name, static, args)}.bin")
+  exported = _loaded.get(path)
+  if exported is None and os.path.exists(path):
+    try:
+      with open(path, "rb") as f:
+        exported = jax.export.deserialize(bytearray(f.read()))
+    except Exception as e:  # damaged, or written by another jax: traced again below
+      files.warn(f"{path} does not load ({type(e).__name__}); tracing the program again.")
+  if exported is None:
+    exported = jax.export.export(jax.jit(fn))(*args)
+    os.makedirs(folder, exist_ok=True)
+    with files.replacing(path) as tmp, open(tmp, "wb") as f:
+      f.write(exported.serialize())
+  _loaded[path] = exported
+  return exported.call(*args)

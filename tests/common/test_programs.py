@@ -1,0 +1,69 @@
+"""common/programs.py: a traced program saved with jax.export and loaded by a later process gives
+what tracing it gives (`zoo chat`'s sampler, greedy and sampled), is found again only for the same
+model, arguments and code, and a damaged file is traced again."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from nnx_zoo.common import experiments, models, programs, sampling
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = experiments.get_config("lm/shakespeare-char:smoke").model
+  return nnx.split(models.build(cfg, seed=0))
+
+
+def generate(model, **kw):
+  prompt = jnp.asarray([[5, 9, 2, 7]], jnp.int32)
+  options = dict(max_new_tokens=6, rng=jax.random.key(3), temperature=0.0) | kw
+  return np.asarray(sampling.generate(model, prompt, **options))
+
+
+def test_a_saved_program_gives_what_tracing_gives(model, tmp_path, monkeypatch):
+  want_greedy, want_sampled = generate(model), generate(model, temperature=1.0)
+  folder = tmp_path / "exported"
+  monkeypatch.setattr(programs, "directory", lambda: str(folder))
+  monkeypatch.setattr(programs, "_loaded", {})
+  np.testing.assert_array_equal(generate(model), want_greedy)  # traced and saved
+  np.testing.assert_array_equal(generate(model, temperature=1.0), want_sampled)
+  saved = sorted(p.name for p in folder.iterdir())
+  assert len(saved) == 2 and all(p.startswith("generate-") for p in saved)
+
+  # A later process: nothing in memory, and no tracing (export refused), only loading.
+  monkeypatch.setattr(programs, "_loaded", {})
+  monkeypatch.setattr(jax.export, "export", lambda *a, **k: pytest.fail("traced again"))
+  np.testing.assert_array_equal(generate(model), want_greedy)
+  np.testing.assert_array_equal(generate(model, temperature=1.0), want_sampled)
+
+
+def test_the_key_names_the_model_the_arguments_and_the_code(model, monkeypatch):
+  graphdef, params = model
+  args = (jax.tree.leaves(params), jnp.zeros((1, 64), jnp.int32))
+  key = programs.key("generate", graphdef, args)
+  assert programs.key("generate", graphdef, args) == key
+  # The same shapes, another model: RoPE's theta is in the graph, not in an array's shape.
+  cfg = experiments.get_config("lm/shakespeare-char:smoke").model
+  cfg.position.theta = 500_000.0
+  other = nnx.graphdef(models.build(cfg))
+  assert programs.key("generate", other, args) != key
+  assert programs.key("generate", graphdef, (args[0], jnp.zeros((1, 128), jnp.int32))) != key
+  monkeypatch.setattr(programs, "source_digest", lambda: "edited")
+  assert programs.key("generate", graphdef, args) != key
+
+
+def test_a_damaged_program_is_traced_again(model, tmp_path, monkeypatch, capsys):
+  want = generate(model)
+  folder = tmp_path / "exported"
+  monkeypatch.setattr(programs, "directory", lambda: str(folder))
+  monkeypatch.setattr(programs, "_loaded", {})
+  generate(model)
+  (path,) = folder.iterdir()
+  path.write_bytes(path.read_bytes()[:100])
+  monkeypatch.setattr(programs, "_loaded", {})
+  np.testing.assert_array_equal(generate(model), want)
+  assert "does not load" in capsys.readouterr().err
+  assert len(path.read_bytes()) > 100  # saved whole again
