@@ -32,6 +32,9 @@ def test_a_saved_program_gives_what_tracing_gives(model, tmp_path, monkeypatch):
   np.testing.assert_array_equal(generate(model, temperature=1.0), want_sampled)
   saved = sorted(p.name for p in folder.iterdir())
   assert len(saved) == 2 and all(p.startswith("generate-") for p in saved)
+  longer = jnp.asarray([[5, 9, 2, 7, 1, 1, 3, 8, 4]], jnp.int32)  # the same prompt bucket
+  sampling.generate(model, longer, max_new_tokens=6, rng=jax.random.key(3), temperature=0.0)
+  assert len(list(folder.iterdir())) == 2
 
   # A later process: nothing in memory, and no tracing (export refused), only loading.
   monkeypatch.setattr(programs, "_loaded", {})

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_zoo.common import sampling
+from nnx_zoo.common import programs, sampling
 
 
 def test_sample_logits_temperature_zero_and_top_k_one_are_argmax():
@@ -101,7 +101,8 @@ def test_stop_ids_end_each_row_where_it_stops_and_nothing_else_changes():
     assert (row[end:] == stop).all()
 
 
-def test_prompts_of_one_bucket_share_a_program():
+def test_prompts_of_one_bucket_share_a_program(monkeypatch):
+  monkeypatch.setattr(programs, "directory", lambda: None)  # jit's own cache (test_programs: saved)
   model = tiny_decoder()
   before = sampling._generate._cache_size()
   for length in (3, 11, sampling.PROMPT_BUCKET):
