@@ -759,12 +759,14 @@ def test_attend_in_blocks_equals_attend(monkeypatch, causal, window, N, K, segme
   def loss(f, **more):
     return lambda q, k, v: jnp.sum(f(q, k, v, **kw, **more) * jnp.arange(H))
 
-  blocked = loss(attention_ref.attend_in_blocks, causal=causal, window=window)
-  want, got = loss(attention_ref.attend)(q, k, v), blocked(q, k, v)
+  # Compiled: op by op, the blocks' loop and its gradient took 10-25 s a case.
+  blocked = jax.jit(loss(attention_ref.attend_in_blocks, causal=causal, window=window))
+  whole = jax.jit(loss(attention_ref.attend))
+  want, got = whole(q, k, v), blocked(q, k, v)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for g, w in zip(
-    jax.grad(blocked, (0, 1, 2))(q, k, v),
-    jax.grad(loss(attention_ref.attend), (0, 1, 2))(q, k, v),
+    jax.jit(jax.grad(blocked, (0, 1, 2)))(q, k, v),
+    jax.jit(jax.grad(whole, (0, 1, 2)))(q, k, v),
     strict=True,
   ):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

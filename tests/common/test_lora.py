@@ -134,6 +134,7 @@ def test_bert_lora_targets():
   assert model.blocks[0].mlp.up.lora is not None and model.blocks[0].attn.q.lora is None
 
 
+@pytest.mark.slow  # 13-17 s: the quick suite's budget
 def test_lora_on_layers_stored_stacked():
   """model.scan stores the layers stacked: the adapters of a stacked projection are stacked
   too, with the unscanned model's values (same seed); per layer, the scanned model's outputs,

@@ -256,6 +256,7 @@ def test_two_stacks_convert_each_on_its_own():
   assert_params_equal(stacking.match_layers(plain, scanned), scanned)
 
 
+@pytest.mark.slow  # 13-17 s: the quick suite's budget
 def test_scanned_pattern_with_a_rest_equals_unscanned_and_decodes():
   """Logits of the same seed scanned (a remainder layer past the last repetition) or not;
   cached greedy decoding of the scanned model (layer by layer on slices of the stacks) equals
