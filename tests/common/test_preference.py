@@ -35,6 +35,11 @@ def setup():
   return cfg, data, batch, model
 
 
+def jitted(method):
+  """A task's `method(model, batch)` compiled: one program, not one per op."""
+  return nnx.jit(lambda model, batch: method(model, batch))
+
+
 def test_loss_and_rewards_equal_the_formula(setup):
   cfg, _, batch, model = setup
   beta = 0.25
@@ -43,16 +48,16 @@ def test_loss_and_rewards_equal_the_formula(setup):
   task = preference.DPO(beta)
   B, _, L = batch["tokens"].shape
   tokens = batch["tokens"].reshape(2 * B, L)
-  logits = np.asarray(model(tokens[:, :-1]))  # one segment a row: no packing in pairs
+  logits = np.asarray(nnx.jit(lambda m, x: m(x))(model, tokens[:, :-1]))  # no packing in pairs
   logits = np.concatenate([logits, np.zeros_like(logits[:, :1])], axis=1)
   pi = numpy_logps(logits, tokens, batch["loss_weights"].reshape(2 * B, L)).reshape(B, 2)
   ref = batch["reference"].astype(np.float64)
   margin = beta * ((pi[:, 0] - ref[:, 0]) - (pi[:, 1] - ref[:, 1]))
   loss = -np.log(1 / (1 + np.exp(-margin)))
-  total, count = task.loss_sums(model, batch)
+  total, count = jitted(task.loss_sums)(model, batch)
   assert float(count) == B
   np.testing.assert_allclose(float(total), loss.sum(), rtol=1e-5)
-  summary = task.summary({k: float(v) for k, v in task.eval_sums(model, batch).items()})
+  summary = task.summary({k: float(v) for k, v in jitted(task.eval_sums)(model, batch).items()})
   np.testing.assert_allclose(summary["chosen_reward"], beta * (pi[:, 0] - ref[:, 0]).mean(),
                              rtol=1e-5, atol=1e-5)  # fmt: skip
   np.testing.assert_allclose(summary["margin"], margin.mean(), rtol=1e-5, atol=1e-5)
@@ -66,13 +71,14 @@ def test_a_pair_counts_only_with_a_reply_on_both_sides(setup):
   cfg, _, batch, model = setup
   batch = dict(batch, reference=np.zeros((len(batch["tokens"]), 2), np.float32))
   task = preference.DPO(0.1)
-  total, count = task.loss_sums(model, batch)
+  loss_sums = jitted(task.loss_sums)
+  total, count = loss_sums(model, batch)
   cut = dict(batch, loss_weights=batch["loss_weights"].copy())
   cut["loss_weights"][0, 1] = 0
-  cut_total, cut_count = task.loss_sums(model, cut)
+  cut_total, cut_count = loss_sums(model, cut)
   assert float(cut_count) == float(count) - 1
   rest = {k: v[1:] for k, v in batch.items()}
-  np.testing.assert_allclose(float(cut_total), float(task.loss_sums(model, rest)[0]), rtol=1e-6)
+  np.testing.assert_allclose(float(cut_total), float(loss_sums(model, rest)[0]), rtol=1e-6)
 
 
 def test_pairs_keep_their_reply_weights_only(setup):
