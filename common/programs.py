@@ -2,10 +2,11 @@
 
 The persistent cache keeps compiled programs, but it is keyed by the traced program: every
 process still traces the model in Python before it can look one up (SmolLM2's sampler: about
-2 s of a `zoo chat` start-up). `run(name, fn, args)` keeps the trace too: the first process
+2 s of a `zoo chat` start-up). `load(name, fn, args)` keeps the trace too: the first process
 traces `jax.jit(fn)` once, saves it with `jax.export` into an `exported/` folder of the
-compilation cache, and later processes load it (no Python tracing) and run it, their
-compilation then read from the persistent cache.
+compilation cache, and later processes load it (no Python tracing) and compile it, their
+compilation then read from the persistent cache. `load` readies a program before its first
+call (its arguments may be abstract); `run(name, fn, args)` runs it.
 
 A saved program is found by a key of everything its trace depends on: `name` and `static` (the
 caller's static arguments: a model's graph), the arguments' tree, shapes and dtypes, the zoo's
@@ -26,7 +27,7 @@ import jax
 from nnx_zoo.common import files
 
 FOLDER = "exported"
-_loaded: dict[str, "jax.export.Exported"] = {}
+_loaded: dict[str, "jax.stages.Compiled"] = {}  # path -> its program, compiled
 
 
 def directory() -> str | None:
@@ -67,16 +68,21 @@ def key(name: str, static, args) -> str:
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def run(name: str, fn, args: tuple, *, static):
-  """`fn(*args)`, traced at most once across processes (see the module's docstring): `fn` is
-  jax-traceable (it calls jitted functions); `static` is what it closes over that shapes its
-  trace (its repr goes into the key). Without a persistent cache, `fn(*args)` as it is."""
+def load(name: str, fn, args: tuple, *, static):
+  """`fn` ready to run on arguments shaped as `args` (arrays or `jax.ShapeDtypeStruct`s: a
+  program can be readied before its arguments exist, e.g. while the weights are restored):
+  traced at most once across processes (see the module's docstring) and compiled, or read from
+  the persistent cache. `fn` is jax-traceable (it calls jitted functions); `static` is what it
+  closes over that shapes its trace (its repr goes into the key). Without a persistent cache,
+  `fn` as it is."""
   folder = directory()
   if folder is None or len(jax.devices()) != 1:
-    return fn(*args)  # what jit keeps in this process is enough
+    return fn  # what jit keeps in this process is enough
   path = os.path.join(folder, f"{name}-{key(name, static, args)}.bin")
-  exported = _loaded.get(path)
-  if exported is None and os.path.exists(path):
+  if path in _loaded:
+    return _loaded[path]
+  exported = None
+  if os.path.exists(path):
     try:
       with open(path, "rb") as f:
         exported = jax.export.deserialize(bytearray(f.read()))
@@ -87,5 +93,11 @@ def run(name: str, fn, args: tuple, *, static):
     os.makedirs(folder, exist_ok=True)
     with files.replacing(path) as tmp, open(tmp, "wb") as f:
       f.write(exported.serialize())
-  _loaded[path] = exported
-  return exported.call(*args)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+  _loaded[path] = jax.jit(exported.call).lower(*shapes).compile()
+  return _loaded[path]
+
+
+def run(name: str, fn, args: tuple, *, static):
+  """`fn(*args)`, its program readied by `load`."""
+  return load(name, fn, args, static=static)(*args)

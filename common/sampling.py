@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nnx_zoo.common import programs
@@ -188,22 +189,44 @@ def generate(
   """The prompt followed by `max_new_tokens` sampled tokens: [B, P + max_new_tokens]. A row that
   writes one of `stop_ids` (an end-of-turn token) stops there, the rest of it filled with the
   first stop id, and decoding ends once every row has stopped."""
-  graphdef, params = _split(model_or_split, seq2seq=False)
   if max_new_tokens < 1:
-    return prompt_BP
-  prompt_BP = jnp.asarray(prompt_BP, jnp.int32)
-  P = prompt_BP.shape[1]
-  padded_BL = jnp.pad(prompt_BP, ((0, 0), (0, -P % PROMPT_BUCKET)))
+    return jnp.asarray(prompt_BP, jnp.int32)
+  prompt_BP = np.asarray(prompt_BP, np.int32)  # padded and joined on the host: no eager programs
+  B, P = prompt_BP.shape
+  padded_BL = np.pad(prompt_BP, ((0, 0), (0, -P % PROMPT_BUCKET)))
+  options = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids)
+  program, params, key = _program(model_or_split, B, P, max_new_tokens, rng, options)
+  new_BN = program(jax.tree.leaves(params), padded_BL, np.int32(P), key)
+  return jnp.asarray(np.concatenate([prompt_BP, np.asarray(new_BN)], axis=1))
+
+
+def prepare(
+  model_or_split, batch: int, prompt_len: int, *, max_new_tokens: int, rng: jax.Array, **options
+):
+  """Ready `generate`'s program for `batch` prompts of `prompt_len` tokens (any length in its
+  bucket of PROMPT_BUCKET) and these options: loaded from the persistent compilation cache, or
+  traced and compiled. The params may be abstract (`jax.ShapeDtypeStruct`s): a caller readies
+  the program while they are restored. Without a persistent cache, nothing is done."""
+  if max_new_tokens >= 1:
+    _program(model_or_split, batch, prompt_len, max_new_tokens, rng, options)
+
+
+def _program(model_or_split, B: int, P: int, max_new_tokens: int, rng, options):
+  """`generate`'s program for [B, P] prompts, traced once across processes where a persistent
+  compilation cache is on (common/programs.py), with the params and the key as it takes them:
+  its arguments are arrays, the params as their leaves and the key as its data."""
+  graphdef, params = _split(model_or_split, seq2seq=False)
+  stop_ids = options.pop("stop_ids", ())
   static = dict(
     graphdef=graphdef,
     max_new_tokens=max_new_tokens,
-    temperature=float(temperature),
-    top_k=int(top_k),
-    top_p=float(top_p),
+    temperature=float(options.pop("temperature", 1.0)),
+    top_k=int(options.pop("top_k", 0)),
+    top_p=float(options.pop("top_p", 1.0)),
     stop_ids=tuple(sorted({int(i) for i in stop_ids if i is not None and i >= 0})),
   )
-  # Traced once across processes where a persistent compilation cache is on (common/programs.py):
-  # its arguments are arrays, the params as their leaves and the key as its data.
+  if options:
+    raise TypeError(f"generate() got unexpected options {sorted(options)}")
   leaves, treedef = jax.tree.flatten(params)
   typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
   impl = jax.random.key_impl(rng) if typed else None
@@ -213,9 +236,10 @@ def generate(
     return _generate(jax.tree.unflatten(treedef, leaves), padded_BL, length, key, **static)
 
   key = jax.random.key_data(rng) if typed else rng
-  args = (leaves, padded_BL, jnp.int32(P), key)
-  new_BN = programs.run("generate", run, args, static=(static, treedef, impl))
-  return jnp.concatenate([prompt_BP, new_BN], axis=1)
+  shape = jax.ShapeDtypeStruct
+  L = P + -P % PROMPT_BUCKET
+  args = (leaves, shape((B, L), jnp.int32), shape((), jnp.int32), shape(key.shape, key.dtype))
+  return programs.load("generate", run, args, static=(static, treedef, impl)), params, key
 
 
 def generate_stepwise(model, prompt_BP, *, max_new_tokens: int) -> jax.Array:

@@ -39,11 +39,11 @@ class LanguageModel(tasks.Task):
         f"The prompt has T5 sentinels (<extra_id_N>), which {cfg.model.family}, a decoder-only "
         "model, does not read: give plain text, or the --workdir of an encoder-decoder run."
       )
-    graphdef, params, _ = weights.restore_params(cfg, args.workdir)
     tokenizer = tokenizers.load(cfg.data.tokenizer)
     prompt = tokenizer.encode(args.prompt)
     if len(prompt) == 0:
       raise UserError("The prompt is empty: give --prompt TEXT.")
+    graphdef, params, _ = weights.restore_params(cfg, args.workdir)
     out = sampling.generate((graphdef, params), prompt[None], **sampling_options(args))
     print(tokenizer.decode(out[0].tolist()))
 
@@ -54,6 +54,7 @@ def chat(args, cfg):
   generation prompt, each answer cut at the template's end of turn (or the end token)."""
   import json
   import sys
+  from concurrent import futures
 
   from nnx_zoo.common import sampling, tasks
   from nnx_zoo.common.data import chat as chat_data
@@ -64,48 +65,64 @@ def chat(args, cfg):
     raise UserError(f"`zoo chat` talks to a decoder; {args.workdir} holds a {tasks.of(cfg).name}.")
   template = chat_data.template(cfg.data)
   tokenizer = tokenizers.load(cfg.data.tokenizer)
-  graphdef, params, _ = weights.restore_params(cfg, args.workdir)
   options = sampling_options(args)
   rng = options.pop("rng")
-  # Decoding stops at the end of the turn: the end token, or the template's end-of-turn tag
-  # where it is one token (ChatML's <|im_end|>).
-  end_ids = tokenizer.encode_chat(template.end_of_turn)[0] if template.end_of_turn else []
-  stop_ids = (tokenizer.eos_id, *(end_ids if len(end_ids) == 1 else ()))
-
-  def answer(messages, rng):
-    prompt, _ = tokenizer.encode_chat(template.render(messages, add_generation_prompt=True))
-    out = sampling.generate((graphdef, params), prompt[None], rng=rng, stop_ids=stop_ids, **options)
-    new = out[0, len(prompt) :].tolist()
-    if tokenizer.eos_id is not None and tokenizer.eos_id in new:
-      new = new[: new.index(tokenizer.eos_id)]
-    text = tokenizer.decode(new)
-    end = template.end_of_turn
-    return text.split(end)[0] if end else text
-
+  messages = [{"role": "system", "content": args.system}] if args.system else []
   if args.messages is not None:
     try:
       with open(args.messages, encoding="utf-8") as f:
-        messages = json.load(f)
+        given = json.load(f)
     except (OSError, ValueError) as e:
       raise UserError(f"--messages {args.messages!r} is not a JSON file of messages: {e}") from None
-    if isinstance(messages, dict):
-      messages = messages.get(cfg.data.messages_field, messages.get("messages"))
-    messages = chat_data.check_messages(messages, args.messages)
-    if args.system:
-      messages = [{"role": "system", "content": args.system}, *messages]
-    print(answer(messages, rng))
-    return
-  messages = [{"role": "system", "content": args.system}] if args.system else []
-  print("(an empty line or end of input ends the conversation)", file=sys.stderr)
-  for turn in itertools.count():
-    print("> ", end="", file=sys.stderr, flush=True)
-    line = sys.stdin.readline()
-    if not line.strip():
+    if isinstance(given, dict):
+      given = given.get(cfg.data.messages_field, given.get("messages"))
+    messages += chat_data.check_messages(given, args.messages)
+
+  # One worker restores the weights, then readies the sampler for the first prompt's length (from
+  # the persistent cache, common/programs.py): in turn-by-turn chat, while the first line is
+  # typed (a short line's prompt shares the bucket of an empty one's, sampling.PROMPT_BUCKET).
+  with futures.ThreadPoolExecutor(1, thread_name_prefix="load") as worker:
+    restored = worker.submit(weights.restore_params, cfg, args.workdir)
+    # Decoding stops at the end of the turn: the end token, or the template's end-of-turn tag
+    # where it is one token (ChatML's <|im_end|>).
+    end_ids = tokenizer.encode_chat(template.end_of_turn)[0] if template.end_of_turn else []
+    options["stop_ids"] = (tokenizer.eos_id, *(end_ids if len(end_ids) == 1 else ()))
+
+    def encode(messages):
+      return tokenizer.encode_chat(template.render(messages, add_generation_prompt=True))[0]
+
+    def ready(prompt_len):
+      graphdef, params, _ = restored.result()
+      sampling.prepare((graphdef, params), 1, prompt_len, rng=rng, **options)
+
+    first = messages if args.messages is not None else [*messages, {"role": "user", "content": ""}]
+    readied = worker.submit(ready, len(encode(first)))
+
+    def answer(messages, rng):
+      prompt = encode(messages)
+      readied.result()  # raises what the restore raised
+      graphdef, params, _ = restored.result()
+      out = sampling.generate((graphdef, params), prompt[None], rng=rng, **options)
+      new = out[0, len(prompt) :].tolist()
+      if tokenizer.eos_id is not None and tokenizer.eos_id in new:
+        new = new[: new.index(tokenizer.eos_id)]
+      text = tokenizer.decode(new)
+      end = template.end_of_turn
+      return text.split(end)[0] if end else text
+
+    if args.messages is not None:
+      print(answer(messages, rng))
       return
-    messages.append({"role": "user", "content": line.rstrip("\n")})
-    reply = answer(messages, jax.random.fold_in(rng, turn))
-    print(reply, flush=True)
-    messages.append({"role": "assistant", "content": reply})
+    print("(an empty line or end of input ends the conversation)", file=sys.stderr)
+    for turn in itertools.count():
+      print("> ", end="", file=sys.stderr, flush=True)
+      line = sys.stdin.readline()
+      if not line.strip():
+        return
+      messages.append({"role": "user", "content": line.rstrip("\n")})
+      reply = answer(messages, jax.random.fold_in(rng, turn))
+      print(reply, flush=True)
+      messages.append({"role": "assistant", "content": reply})
 
 
 def sampling_options(args) -> dict:

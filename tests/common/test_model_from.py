@@ -219,3 +219,35 @@ def test_generate_and_chat_take_a_gguf_file(tiny_dir, tmp_path, monkeypatch, cap
   code, out, _ = run_cli(["generate", "--workdir", path, "--prompt", "To be", "--temperature", "0",
                           "--max-new-tokens", "4"], capsys)  # fmt: skip
   assert code == 0 and out.startswith("To be")
+
+
+def test_chat_turn_by_turn_answers_as_the_whole_conversation_does(tiny_dir, tmp_path, monkeypatch,
+                                                                    capsys):  # fmt: skip
+  """Line after line on standard input (the weights restored and the sampler readied while the
+  first is typed): each reply is `--messages`' greedy answer to the conversation so far. A
+  restore that fails in the background is the same one-line error."""
+  import io
+
+  from nnx_zoo.common import hub
+
+  hub.convert_hf(tiny_dir, str(tmp_path / "zoo"))
+  chat_argv = ["chat", "--workdir", str(tmp_path / "zoo"), "--temperature", "0",
+               "--max-new-tokens", "5"]  # fmt: skip
+  monkeypatch.setattr("sys.stdin", io.StringIO("To be?\nOr not?\n\n"))
+  code, out, _ = run_cli(chat_argv, capsys)
+  assert code == 0
+  replies = out.splitlines()
+  assert len(replies) == 2
+  conversation = []
+  for line, reply in zip(["To be?", "Or not?"], replies, strict=True):
+    conversation.append({"role": "user", "content": line})
+    (tmp_path / "m.json").write_text(json.dumps(conversation))
+    code, out, _ = run_cli([*chat_argv, "--messages", str(tmp_path / "m.json")], capsys)
+    assert code == 0 and out.rstrip("\n") == reply
+    conversation.append({"role": "assistant", "content": reply})
+
+  config = json.loads((tmp_path / "zoo" / "config.json").read_text())
+  config["model"]["num_layers"] += 1  # not the checkpoint's model
+  (tmp_path / "zoo" / "config.json").write_text(json.dumps(config))
+  code, _, err = run_cli([*chat_argv, "--messages", str(tmp_path / "m.json")], capsys)
+  assert code == 2 and "different model" in err and "Traceback" not in err

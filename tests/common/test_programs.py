@@ -70,3 +70,20 @@ def test_a_damaged_program_is_traced_again(model, tmp_path, monkeypatch, capsys)
   np.testing.assert_array_equal(generate(model), want)
   assert "does not load" in capsys.readouterr().err
   assert len(path.read_bytes()) > 100  # saved whole again
+
+
+def test_a_program_readied_from_abstract_params_is_the_one_generate_runs(model, tmp_path,
+                                                                         monkeypatch):  # fmt: skip
+  """`sampling.prepare` with the params' shapes only (what `zoo chat` can do before they are
+  restored) traces and compiles the program; `generate` then runs it, tracing nothing."""
+  want = generate(model)
+  graphdef, params = model
+  monkeypatch.setattr(programs, "directory", lambda: str(tmp_path / "exported"))
+  monkeypatch.setattr(programs, "_loaded", {})
+  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+  options = dict(max_new_tokens=6, rng=jax.random.key(3), temperature=0.0)
+  sampling.prepare((graphdef, shapes), 1, 4, **options)
+  assert len(programs._loaded) == 1
+  monkeypatch.setattr(jax.export, "export", lambda *a, **k: pytest.fail("traced again"))
+  np.testing.assert_array_equal(generate(model), want)
+  assert len(programs._loaded) == 1
