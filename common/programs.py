@@ -11,9 +11,9 @@ call (its arguments may be abstract); `run(name, fn, args)` runs it.
 A saved program is found by a key of everything its trace depends on: `name` and `static` (the
 caller's static arguments: a model's graph), the arguments' tree, shapes and dtypes, the zoo's
 own source files (any edit makes new keys), the versions of jax, jaxlib and flax, and the
-devices. With no persistent cache (`NNX_ZOO_COMPILATION_CACHE=off`, or a process that set none,
-as the tests do) nothing is saved: `fn(*args)`, its jitted parts kept by jax in the process.
-Arguments are arrays only (typed PRNG keys as their key data), on one device.
+devices. With no persistent cache (`NNX_ZOO_COMPILATION_CACHE=off`, or a process that set none)
+nothing is saved: `fn` runs as it is, its jitted parts kept by jax in the process. Arguments are
+arrays only, or for `load` their shapes (typed PRNG keys as their key data), on one device.
 """
 
 import functools
