@@ -289,6 +289,7 @@ def test_a_scanned_step_copies_no_stacked_parameters():
   assert not re.search(r"f32\[4(,\d+)*\] = concatenate", jaxpr)
 
 
+@pytest.mark.slow  # several steps compiled: 7-17 s on a cold cache
 def test_scanned_layers_add_each_micro_batch_into_the_sums_in_their_backward_loop(monkeypatch):
   """Scanned and rematerialised in full, with micro-batches: each slice's layer gradients are
   added into the running sums inside the layers' own backward loop (accumulate.accumulating, a
@@ -322,6 +323,7 @@ def test_the_running_sums_are_found_by_the_stack_s_path():
   assert sorted(fused) == stacked  # what the scan added into, by index in params' leaves
 
 
+@pytest.mark.slow  # several steps compiled: 7-17 s on a cold cache
 def test_an_encoder_decoder_accumulates_in_both_stacks_and_through_the_cross_attention(
   monkeypatch,
 ):

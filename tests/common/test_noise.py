@@ -90,6 +90,7 @@ def draws(cfg, micro_batches=1, data=None, task=TASK):
   return jax.jit(fn)(params, data)
 
 
+@pytest.mark.slow  # several steps compiled: 7-17 s on a cold cache
 def test_the_draws_do_not_depend_on_how_the_step_is_computed():
   """One batch unscanned against micro-batches, the layers scanned, and scanned rematerialised
   in full with micro-batches (the layers' own backward loop, accumulate._fused_scan): the same
@@ -108,6 +109,7 @@ def test_the_draws_do_not_depend_on_how_the_step_is_computed():
   assert float(plain[0]) != float(want[0]) and max(differ) > 0.1
 
 
+@pytest.mark.slow  # several steps compiled: 7-17 s on a cold cache
 def test_an_encoder_decoder_draws_per_stack_the_same_scanned_or_not():
   """T5's encoder and decoder each take their own stream (the same layer index of the two is
   not the same draw); scanned and rematerialised with micro-batches, the same sums."""

@@ -171,6 +171,7 @@ def forward_and_grads(cfg, tokens_BT):
   return jax.jit(jax.value_and_grad(loss))(params)
 
 
+@pytest.mark.slow  # several steps compiled: 7-17 s on a cold cache
 def test_scanned_equals_unscanned_quantized():
   """model.scan runs the same quantized products (per-layer weight scales inside the body)."""
   x = tokens()
