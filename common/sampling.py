@@ -195,38 +195,45 @@ def generate(
   B, P = prompt_BP.shape
   padded_BL = np.pad(prompt_BP, ((0, 0), (0, -P % PROMPT_BUCKET)))
   options = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids)
-  program, params, key = _program(model_or_split, B, P, max_new_tokens, rng, options)
+  program, params, key = _program(model_or_split, B, P, max_new_tokens, rng, **options)
   new_BN = program(jax.tree.leaves(params), padded_BL, np.int32(P), key)
   return jnp.asarray(np.concatenate([prompt_BP, np.asarray(new_BN)], axis=1))
 
 
 def prepare(
-  model_or_split, batch: int, prompt_len: int, *, max_new_tokens: int, rng: jax.Array, **options
+  model_or_split,
+  batch: int,
+  prompt_len: int,
+  *,
+  max_new_tokens: int,
+  rng: jax.Array,
+  temperature: float = 1.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  stop_ids: tuple[int, ...] = (),
 ):
   """Ready `generate`'s program for `batch` prompts of `prompt_len` tokens (any length in its
   bucket of PROMPT_BUCKET) and these options: loaded from the persistent compilation cache, or
   traced and compiled. The params may be abstract (`jax.ShapeDtypeStruct`s): a caller readies
   the program while they are restored. Without a persistent cache, nothing is done."""
   if max_new_tokens >= 1:
-    _program(model_or_split, batch, prompt_len, max_new_tokens, rng, options)
+    options = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids)
+    _program(model_or_split, batch, prompt_len, max_new_tokens, rng, **options)
 
 
-def _program(model_or_split, B: int, P: int, max_new_tokens: int, rng, options):
+def _program(model_or_split, B, P, max_new_tokens, rng, *, temperature, top_k, top_p, stop_ids):
   """`generate`'s program for [B, P] prompts, traced once across processes where a persistent
   compilation cache is on (common/programs.py), with the params and the key as it takes them:
   its arguments are arrays, the params as their leaves and the key as its data."""
   graphdef, params = _split(model_or_split, seq2seq=False)
-  stop_ids = options.pop("stop_ids", ())
   static = dict(
     graphdef=graphdef,
     max_new_tokens=max_new_tokens,
-    temperature=float(options.pop("temperature", 1.0)),
-    top_k=int(options.pop("top_k", 0)),
-    top_p=float(options.pop("top_p", 1.0)),
+    temperature=float(temperature),
+    top_k=int(top_k),
+    top_p=float(top_p),
     stop_ids=tuple(sorted({int(i) for i in stop_ids if i is not None and i >= 0})),
   )
-  if options:
-    raise TypeError(f"generate() got unexpected options {sorted(options)}")
   leaves, treedef = jax.tree.flatten(params)
   typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
   impl = jax.random.key_impl(rng) if typed else None
