@@ -4,9 +4,12 @@ read by the dispatcher when a layer is traced (common/nn/attention_dispatch.py),
 (common/mesh.py).
 
 `attention.impl` names how the softmax(q k^T) v core runs: "xla" (common/nn/attention_ref.py,
-the reference), "flash" (the Pallas kernel in kernels/flash_attention.py, Pallas interpret mode
-on CPU; on TPU jax's splash attention, kernels/tpu_attention.py) or "cudnn"
-(`jax.nn.dot_product_attention(implementation="cudnn")`, GPU only). Where a rule refuses the
+the reference), "blocked" (common/nn/attention_blocked.py: query blocks, an online softmax over
+key blocks, the blocks recomputed in the backward pass, so no [N, T, S] scores are kept; any
+platform, named by a user or by `train.fit`, never by "auto"), "flash" (the Pallas kernel in
+kernels/flash_attention.py, Pallas interpret mode on CPU; on TPU jax's splash attention,
+kernels/tpu_attention.py) or "cudnn" (`jax.nn.dot_product_attention(implementation="cudnn")`,
+GPU only). Where a rule refuses the
 asked one, the layer runs its FALLBACK ("xla") and logs the reason once.
 
 "auto" (the default) is resolved when the layer is traced, for the platform the step compiles
@@ -33,12 +36,12 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
-IMPLS = ("auto", "xla", "flash", "cudnn")
+IMPLS = ("auto", "xla", "blocked", "flash", "cudnn")
 CONTEXT_IMPLS = ("gather", "ring")
 # What "auto" tries on each platform, best first ("xla" where none takes the call).
 AUTO = {"gpu": ("cudnn", "flash"), "tpu": ("flash",)}
 # What runs where a rule refuses an implementation.
-FALLBACK = {"flash": "xla", "cudnn": "xla", "ring": "gather"}
+FALLBACK = {"blocked": "xla", "flash": "xla", "cudnn": "xla", "ring": "gather"}
 
 # cuDNN's fused attention (jax's checks, jax._src.cudnn.fused_attention_stablehlo): bf16/fp16, a
 # head dim that is a multiple of 8 and at most 128, or 256 from Hopper on (told by the device
@@ -103,7 +106,9 @@ class Rule:
 
 # The table, in the order the reasons are told (the first that applies is the one logged).
 RULES = (
-  Rule(("flash", "cudnn"), lambda c: c.keys != "own", lambda c: FOREIGN_KEYS[c.keys]),
+  # "blocked" skips the key blocks the rules mask by the row's static indices (a cache's are
+  # traced), and a prefill or cross-attention call keeps no scores for a backward pass anyway.
+  Rule(("blocked", "flash", "cudnn"), lambda c: c.keys != "own", lambda c: FOREIGN_KEYS[c.keys]),
   Rule(
     ("flash",),
     lambda c: c.bias,

@@ -2,8 +2,9 @@
 implementation the table picks (common/attention_impl.py).
 
 The layer says where the keys and values come from; this module asks the table which
-implementation runs the call and calls it: "xla" (common/nn/attention_ref.py), "flash" (the
-Pallas kernel, or jax's splash kernel on TPU), "cudnn", and under `mesh.context` "gather" or
+implementation runs the call and calls it: "xla" (common/nn/attention_ref.py), "blocked"
+(common/nn/attention_blocked.py), "flash" (the Pallas kernel, or jax's splash kernel on TPU),
+"cudnn", and under `mesh.context` "gather" or
 "ring" (common/nn/attention_ring.py). Under tensor parallelism each sees only this device's
 heads, so the kernels run per shard with no collective of their own.
 """
@@ -13,7 +14,7 @@ import dataclasses
 import jax
 
 from nnx_zoo.common import attention_impl, parallel
-from nnx_zoo.common.nn import attention_ref, pipeline
+from nnx_zoo.common.nn import attention_blocked, attention_ref, pipeline
 from nnx_zoo.common.nn.attention_ring import attend_ring
 from nnx_zoo.kernels import flash_attention, tpu_attention
 
@@ -88,6 +89,15 @@ def _xla(q_BTNH: jax.Array, keys: Keys, **kw) -> jax.Array:
   return attention_ref.attend(q_BTNH, k_BSKH, v_BSKH, **kw)
 
 
+def _blocked(q_BTNH: jax.Array, keys: Keys, **kw) -> jax.Array:
+  # The table gives "blocked" only a row's own keys (keys.kind "own").
+  q_seg_BT, k_seg_BS = keys.q_seg_BT, keys.k_seg_BS
+  rules = dict(causal=keys.causal, window=keys.window, bias_BNTS=keys.bias_BNTS)
+  return attention_blocked.attend_blocked(
+    q_BTNH, keys.k_BSKH, keys.v_BSKH, q_seg_BT=q_seg_BT, k_seg_BS=k_seg_BS, **rules, **kw
+  )
+
+
 def _flash(q_BTNH: jax.Array, keys: Keys, *, softcap: float | None, scale: float) -> jax.Array:
   # The kernels' own convention: 0 for no window and no soft-cap.
   kw = dict(causal=keys.causal, window=keys.window or 0, softcap=softcap or 0.0, scale=scale)
@@ -138,4 +148,11 @@ def _queries(keys: Keys) -> dict:
 
 
 # What each implementation the table can pick calls.
-IMPLEMENTATIONS = {"xla": _xla, "flash": _flash, "cudnn": _cudnn, "gather": _gather, "ring": _ring}
+IMPLEMENTATIONS = {
+  "xla": _xla,
+  "blocked": _blocked,
+  "flash": _flash,
+  "cudnn": _cudnn,
+  "gather": _gather,
+  "ring": _ring,
+}
