@@ -154,11 +154,15 @@ def program_bytes(compiled) -> dict[str, int]:
   }
 
 
-def measure(compiled, *, held: int = 0, device=None) -> Fit:
-  """`compiled`'s bytes per device (`program_bytes`) against the device's budget. `held`: bytes
-  of its arguments that are already in memory (on a CPU they are not in MemAvailable, yet the
-  program needs no more room for them)."""
-  return Fit(**program_bytes(compiled), held=held, budget=budget(device))
+_ASK = object()
+
+
+def measure(compiled, *, held: int = 0, device=None, against=_ASK) -> Fit:
+  """`compiled`'s bytes per device (`program_bytes`) against the device's budget (`against`: a
+  Budget already read, or None for none). `held`: bytes of its arguments that are already in
+  memory (on a CPU they are not in MemAvailable, yet the program needs no more room for them)."""
+  against = budget(device) if against is _ASK else against
+  return Fit(**program_bytes(compiled), held=held, budget=against)
 
 
 def held_bytes(tree) -> int:

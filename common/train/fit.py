@@ -19,6 +19,7 @@ import math
 import os
 
 import jax
+import numpy as np
 
 from nnx_zoo.common import attention_impl, device_memory, mesh, parallel, tasks
 from nnx_zoo.common import config as config_lib
@@ -186,6 +187,18 @@ def _knows_batches(cfg) -> bool:
   return True
 
 
+def agreed_budget() -> device_memory.Budget | None:
+  """What a device has, the least over the job's processes: every process must take the same
+  step (hosts' free memory differs)."""
+  has = device_memory.budget()
+  if has is None or jax.process_count() == 1:
+    return has
+  from jax.experimental import multihost_utils
+
+  least = multihost_utils.process_allgather(np.asarray(has.bytes, np.int64)).min()
+  return dataclasses.replace(has, bytes=int(least))
+
+
 @dataclasses.dataclass
 class Search:
   """The step as configured, and what train.fit=auto's candidates need."""
@@ -201,8 +214,9 @@ def search(cfg, *, tx, layout) -> Search | None:
   in their order until one fits with 10% headroom. None: the task's batches are unknown."""
   if not _knows_batches(cfg):
     return None
+  has = agreed_budget()
   step_fn, compiled = compile_step(cfg, tx=tx, layout=layout)
-  result = Search(device_memory.measure(compiled), step_fn)
+  result = Search(device_memory.measure(compiled, against=has), step_fn)
   del compiled
   if result.first.fits():
     return result
@@ -214,7 +228,7 @@ def search(cfg, *, tx, layout) -> Search | None:
     except UserError:  # a lever this mesh cannot take (a pipeline's micro-batches)
       continue
     c_step, c_compiled = compile_step(candidate, tx=tx, layout=layout)
-    measured = device_memory.measure(c_compiled)
+    measured = device_memory.measure(c_compiled, against=has)
     del c_compiled
     result.tried.append((overrides, measured))
     if measured.fits(headroom=device_memory.HEADROOM):
