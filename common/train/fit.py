@@ -142,7 +142,14 @@ def with_overrides(cfg, overrides: dict):
 
 
 def parse_fitted(text: str) -> dict[str, str]:
-  return dict(item.split("=", 1) for item in text.split())
+  """'model.remat=full train.micro_batches=2' -> {key: value}; a UserError for another form."""
+  items = text.split()
+  if not all("=" in item for item in items):
+    raise UserError(
+      f"train.fitted={text!r}: it is KEY=VALUE pairs separated by spaces, as train.fit writes "
+      "it (e.g. 'model.remat=full train.micro_batches=2')."
+    )
+  return dict(item.split("=", 1) for item in items)
 
 
 def format_fitted(overrides: dict) -> str:
