@@ -10,7 +10,8 @@ from nnx_zoo.common.errors import Preempted, UserError
 
 USAGE = """\
 zoo list                                          # the experiments, one line each
-zoo show EXP [--config.KEY=VALUE ...]             # the resolved config and parameter count
+zoo show EXP [--memory] [--config.KEY=VALUE ...]  # the resolved config and parameter count;
+                                                  # --memory: the step's memory on this machine
 zoo plan EXP --topology NAME [--config.KEY=VALUE ...]  # compile for a TPU slice: memory, time
 zoo run  EXP --workdir DIR [--config.KEY=VALUE ...]   # train; resumes if DIR has a checkpoint
 zoo eval EXP --workdir DIR [--config.KEY=VALUE ...]   # held-out loss of DIR's latest checkpoint
@@ -71,6 +72,11 @@ def parser() -> argparse.ArgumentParser:
   show.add_argument("exp")
   show.add_argument("--mesh-rule", help="pick the mesh rule for this hardware name")
   show.add_argument("--topology", help="pick the mesh rule for this TPU topology (v5p-128)")
+  show.add_argument(
+    "--memory",
+    action="store_true",
+    help="compile the train step for this machine: its memory, the device's, what train.fit does",
+  )
   plan = sub.add_parser("plan")
   plan.add_argument("exp")
   plan.add_argument("--topology", required=True, help="v5p-128, v5e-16, v5p:4x4x4, ...")
@@ -201,6 +207,18 @@ def cmd_show(args, overrides):
   if cfg.model.get("lora") is not None and cfg.model.lora.rank:
     trained = models.num_params(cfg.model, lora.trainable(cfg.model))
     print(f"# trained: {trained:,} (LoRA adapters and model.lora.train; the rest frozen)")
+  if args.memory:
+    _print_memory(cfg)
+
+
+def _print_memory(cfg):
+  """The train step compiled for this machine's devices (never run): what it needs, what a
+  device has, and what train.fit=auto would do (common/train/fit.py)."""
+  from nnx_zoo.common.train import fit, optim, trainer
+
+  layout = trainer.experiment_layout(cfg)
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  print(fit.report(cfg, tx=tx, layout=layout))
 
 
 def _print_attention_impl(cfg, hardware_name: str):
@@ -262,7 +280,9 @@ def cmd_eval(args, overrides):
   data = trainer.load_data(cfg, train=False, layout=layout)
   if data.eval is None:
     raise UserError(f"{args.exp} has no held-out split: set data.eval_files.")
-  result = trainer.evaluate(params, data, graphdef=graphdef, cfg=cfg, layout=layout)
+  result = trainer.evaluate(
+    params, data, graphdef=graphdef, cfg=cfg, layout=layout, check_memory=True
+  )
   result.update(tasks.of(cfg).score(graphdef, params, cfg))  # a denoiser's samples, say
   os.makedirs(args.workdir, exist_ok=True)  # a base's evaluation: the run's log starts here
   log = metrics.MetricsLog(args.workdir)

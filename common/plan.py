@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from nnx_zoo.common import mesh
+from nnx_zoo.common import device_memory, mesh
 from nnx_zoo.common.errors import UserError, suggest
 
 GiB = 2**30
@@ -312,35 +312,20 @@ def _bytes(value: str, unit: str) -> int:
 
 
 def abstract_batch(cfg, layout) -> dict:
-  """The batch the step takes, as `zoo run` feeds it: the task's global batch
-  (`Task.batch_shapes`), split over the batch axes; under `mesh.context` the rows the task splits
-  (a language model's next-token rows [B, seq_len]), split over it too, as `step.put_batch`
-  makes them."""
-  import jax
+  """The batch the step takes, as `zoo run` feeds it (`fit.abstract_batch`)."""
+  from nnx_zoo.common.train import fit
 
-  from nnx_zoo.common import tasks
-
-  task = tasks.of(cfg)
-  whole = {k: jax.ShapeDtypeStruct(*v) for k, v in task.batch_shapes(cfg).items()}
-  if layout.sizes.get("context", 1) > 1:
-    rows = jax.eval_shape(task.context_rows, whole)
-    if rows is not None:
-      sharding = jax.sharding.NamedSharding(layout.mesh, layout.token_spec)
-      rows = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in rows.items()}
-      return {"next_token": rows}
-  sharding = jax.sharding.NamedSharding(layout.mesh, layout.batch_spec)
-  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in whole.items()}
+  return fit.abstract_batch(cfg, layout)
 
 
 def _compile(cfg, layout):
   """(abstract state, compiled step) of `cfg` on `layout`: the step `zoo run` runs."""
-  from nnx_zoo.common.train import optim
+  from nnx_zoo.common.train import fit, optim
   from nnx_zoo.common.train import step as steps
 
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
-  abstract, shardings = steps.placed_abstract_state(cfg, tx, layout)
-  step_fn = steps.make_train_step(cfg, tx=tx, layout=layout, shardings=shardings)
-  return abstract, step_fn.lower(abstract, abstract_batch(cfg, layout)).compile()
+  abstract = steps.placed_abstract_state(cfg, tx, layout)[0]
+  return abstract, fit.compile_step(cfg, tx=tx, layout=layout)[1]
 
 
 def _cost(compiled) -> dict:
@@ -485,13 +470,13 @@ def plan(cfg, topology: str | Topology, *, estimate_time: bool = True) -> dict:
     return result
   result["compile_s"] = time.perf_counter() - start
 
-  mem = compiled.memory_analysis()
   # Live at the peak: the inputs (state and batch), the outputs not aliased to a donated input,
-  # the temporaries and the program itself.
-  result["argument_bytes"] = mem.argument_size_in_bytes
-  result["output_bytes"] = mem.output_size_in_bytes - mem.alias_size_in_bytes
-  result["temp_bytes"] = mem.temp_size_in_bytes
-  result["code_bytes"] = mem.generated_code_size_in_bytes
+  # the temporaries and the program itself (as the trainer counts them: common/device_memory.py).
+  mem = device_memory.program_bytes(compiled)
+  result["argument_bytes"] = mem["argument"]
+  result["output_bytes"] = mem["output"]
+  result["temp_bytes"] = mem["temp"]
+  result["code_bytes"] = mem["code"]
   result["total_bytes"] = (
     result["argument_bytes"] + result["output_bytes"] + result["temp_bytes"] + result["code_bytes"]
   )
@@ -539,40 +524,13 @@ def roofline(cfg, topo: Topology, cost: dict) -> dict:
 
 
 def fixes(cfg, sizes: dict[str, int]) -> list[str]:
-  """The levers that lower memory per device and are not pulled yet, most effective first."""
-  out = []
-  if sizes["data"] > 1:  # the state is stored whole on each data replica, split over the rest
-    out.append(
-      f"--config.mesh.fsdp={sizes['fsdp'] * sizes['data']} --config.mesh.data=1 "
-      "(shard parameters and optimizer state over more devices)"
-    )
-  if cfg.model.remat != "full":
-    out.append("--config.model.remat=full (recompute activations in the backward pass)")
-  if not cfg.train.get("loss_chunk", 0) and cfg.model.get("vocab_size", 0) >= 32768:
-    out.append(
-      "--config.train.loss_chunk=4096 (the output head and loss 4,096 tokens at a time: no "
-      "[tokens, vocab] logits alive)"
-    )
-  from nnx_zoo.common import parallel
+  """The levers that lower memory per device and are not pulled yet, most effective first: the
+  trainer's (`fit.levers`), then more chips."""
+  from nnx_zoo.common.train import fit
 
-  rows = cfg.train.batch_size // math.prod(sizes.get(a, 1) for a in parallel.BATCH_AXES)
-  micro = cfg.train.micro_batches
-  if rows // micro > 1:
-    out.append(
-      f"--config.train.micro_batches={micro * 2} (fewer rows' activations alive at a time)"
-    )
-  # Long token rows: each row's tokens over twice as many context devices, taken from fsdp (the
-  # state stays as split: weights are stored over context too); a device group then has twice
-  # the rows, run in twice the micro-batches, so a device holds half a row's activations.
-  context, seq = sizes.get("context", 1), cfg.data.get("seq_len", 0)
-  if sizes["fsdp"] % 2 == 0 and seq and seq % (4 * context) == 0 and seq // context >= 4096:
-    out.append(
-      f"--config.mesh.context={2 * context} --config.mesh.fsdp={sizes['fsdp'] // 2} "
-      f"--config.train.micro_batches={micro * 2} (each row's tokens over {2 * context} "
-      "devices: half the activations a device holds)"
-    )
-  out.append("a larger topology (more chips: more HBM in all)")
-  return out
+  return [lever.text for lever in fit.levers(cfg, sizes)] + [
+    "a larger topology (more chips: more HBM in all)"
+  ]
 
 
 def config(exp: str, topology: str | Topology, overrides: dict[str, str] | None = None):
@@ -583,8 +541,7 @@ def config(exp: str, topology: str | Topology, overrides: dict[str, str] | None 
   return experiments.get_config(exp, overrides, hardware=topo.hardware)
 
 
-def _gib(n: int) -> str:
-  return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.2f} MiB"
+_gib = device_memory.gib
 
 
 def format(result: dict) -> str:  # noqa: A001 (the module's formatter, as `plan.format`)

@@ -12,8 +12,10 @@ A saved program is found by a key of everything its trace depends on: `name` and
 caller's static arguments: a model's graph), the arguments' tree, shapes and dtypes, the zoo's
 own source files (any edit makes new keys), the versions of jax, jaxlib and flax, and the
 devices. With no persistent cache (`NNX_ZOO_COMPILATION_CACHE=off`, or a process that set none)
-nothing is saved: `fn` runs as it is, its jitted parts kept by jax in the process. Arguments are
-arrays only, or for `load` their shapes (typed PRNG keys as their key data), on one device.
+nothing is saved: `fn` is compiled in the process. Either way, the compiled program's memory is
+compared with the device's before it runs (common/device_memory.py), and one that does not fit is
+refused in one line. Arguments are arrays only, or for `load` their shapes (typed PRNG keys as
+their key data), on one device.
 """
 
 import functools
@@ -24,7 +26,7 @@ import re
 
 import jax
 
-from nnx_zoo.common import files
+from nnx_zoo.common import device_memory, files
 
 FOLDER = "exported"
 _loaded: dict[str, "jax.stages.Compiled"] = {}  # path -> its program, compiled
@@ -74,10 +76,19 @@ def load(name: str, fn, args: tuple, *, static):
   traced at most once across processes (see the module's docstring) and compiled, or read from
   the persistent cache. `fn` is jax-traceable (it calls jitted functions); `static` is what it
   closes over that shapes its trace (its repr goes into the key). Without a persistent cache,
-  `fn` as it is."""
-  folder = directory()
-  if folder is None or len(jax.devices()) != 1:
+  `jax.jit(fn)` compiled in this process. Its memory is checked first (`check`); on several
+  devices `fn` as it is, unchecked."""
+  if len(jax.devices()) != 1:
     return fn  # what jit keeps in this process is enough
+  folder = directory()
+  if folder is None:
+    # No persistent cache: compiled here, in this process only, so that its memory is checked
+    # before it runs (`check`).
+    where = f"{name}-{key(name, static, args)}"
+    if where not in _loaded:
+      shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+      _loaded[where] = check(name, jax.jit(fn).lower(*shapes).compile(), args)
+    return _loaded[where]
   path = os.path.join(folder, f"{name}-{key(name, static, args)}.bin")
   if path in _loaded:
     return _loaded[path]
@@ -94,8 +105,21 @@ def load(name: str, fn, args: tuple, *, static):
     with files.replacing(path) as tmp, open(tmp, "wb") as f:
       f.write(exported.serialize())
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-  _loaded[path] = jax.jit(exported.call).lower(*shapes).compile()
+  _loaded[path] = check(name, jax.jit(exported.call).lower(*shapes).compile(), args)
   return _loaded[path]
+
+
+def check(name: str, compiled, args):
+  """`compiled`, once its memory is found to fit the device (common/device_memory.py: the
+  arguments given as arrays are held already); else a one-line UserError."""
+  fit = device_memory.measure(compiled, held=device_memory.held_bytes(args))
+  if not fit.fits():
+    raise device_memory.refusal(
+      f"The {name} program",
+      fit,
+      "Ask for fewer prompts or new tokens, or use a device with more memory.",
+    )
+  return compiled
 
 
 def run(name: str, fn, args: tuple, *, static):

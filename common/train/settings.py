@@ -23,6 +23,14 @@ TRAIN = {
   # early by (1 + step) / (10 + step); it is what is evaluated, checkpointed beside the params
   # and read by zoo eval, generate, export and init_from. 0: none.
   "ema": 0.0,
+  # Before the first step the compiled step's memory is compared with the device's
+  # (common/train/fit.py): "auto" makes a step that does not fit fit by the first of its
+  # candidates (remat, chunked loss, blocked attention, more micro-batches) that does; "off"
+  # refuses it in one line with those candidates' figures.
+  "fit": "auto",
+  # The levers train.fit=auto pulled ("model.remat=full train.loss_chunk=4096"), written into
+  # the workdir's config.json and applied again by a resumed run; "": none.
+  "fitted": "",
 }
 OPTIM = {
   "lr": 3e-4,

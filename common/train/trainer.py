@@ -1,6 +1,6 @@
-"""The one trainer for every family, in the order it runs: the layout, the weights (a train state
-restored, fresh, or fresh with another checkpoint's weights), the workdir, the data, the task's
-own start-up, then the loop.
+"""The one trainer for every family, in the order it runs: the layout, the step (compiled, its
+memory checked: common/train/fit.py), the weights (a train state restored, fresh, or fresh with
+another checkpoint's weights), the workdir, the data, the task's own start-up, then the loop.
 
 The step itself (`common/train/step.py`) is a pure `train_step(state, batch) -> (state,
 metrics)`; everything here is start-up and bookkeeping around it.
@@ -17,11 +17,11 @@ import ml_collections
 from flax import nnx
 
 from nnx_zoo.common import config as config_lib
-from nnx_zoo.common import files, mesh, models, parallel, tasks
+from nnx_zoo.common import device_memory, files, mesh, models, parallel, tasks
 from nnx_zoo.common.data import kinds, prepared
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
-from nnx_zoo.common.train import faults, optim
+from nnx_zoo.common.train import faults, fit, optim
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.common.train.metrics import MetricsLog
 
@@ -32,17 +32,22 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   from tqdm import tqdm
 
   # Layout: a mesh that does not fit is refused before anything is read or written; so is a
-  # workdir that holds a run of another model or data.
+  # workdir that holds a run of another model or data (resumed with the levers train.fit chose
+  # for it), and data that does not fit the model (its tokenizer, its chat template).
   layout = experiment_layout(cfg)
+  cfg = fit.resumed(cfg, workdir)
   check_workdir(cfg, workdir)
+  kinds.check(cfg)
+
+  # The step, compiled and its memory compared with the device's before anything is loaded or
+  # written: one that does not fit is made to fit (train.fit="auto") or refused in one line
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  cfg, step_fn = fit.fitted_step(cfg, tx=tx, layout=layout)
 
   # Weights: resumed, fresh, or fresh with init_from's in their place (`start_state`)
-  tx = optim.optimizer(cfg.optim, cfg.train.steps)
-  state, shardings = start_state(cfg, tx, layout, workdir)
+  state, _ = start_state(cfg, tx, layout, workdir)
 
-  # The workdir, once the data fits the model (its tokenizer, its chat template): config.json,
-  # the first file written, and the checkpoints
-  kinds.check(cfg)
+  # The workdir: config.json, the first file written, and the checkpoints
   write_config(cfg, workdir)
   ckpts = checkpoint.Checkpoints(workdir, keep=cfg.train.keep_checkpoints)
 
@@ -53,9 +58,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   if start:
     ckpts.restore_data(start, data.iterator)
 
-  # The task's own start-up (dpo and grpo: the reference model), then the step
+  # The task's own start-up (dpo and grpo: the reference model)
   task = tasks.of(cfg).prepare(data, cfg=cfg, layout=layout)
-  step_fn = steps.make_train_step(cfg, tx=tx, layout=layout, shardings=shardings)
 
   # Loop
   data_iter = data.iterator
@@ -211,7 +215,14 @@ def write_config(cfg, workdir: str):
 
 
 def evaluate(
-  params, data: kinds.Data, *, graphdef, cfg, layout: parallel.Layout | None = None, task=None
+  params,
+  data: kinds.Data,
+  *,
+  graphdef,
+  cfg,
+  layout: parallel.Layout | None = None,
+  task=None,
+  check_memory: bool = False,
 ) -> dict:
   """The task's held-out metrics (`Task.summary`: the mean loss, and its own, such as a
   classifier's accuracy) over the held-out rows (all of them unless train.eval_batches limits
@@ -219,7 +230,9 @@ def evaluate(
 
   Runs as plain jit over the global (sharded) arrays: XLA partitions it, no shard_map needed;
   but a mesh that splits rows over `context` runs it as the train step runs (shard_map), each
-  device given its share of every row. `task`: the run's, prepared (`Task.prepare`)."""
+  device given its share of every row. `task`: the run's, prepared (`Task.prepare`).
+  `check_memory` (`zoo eval`): the step, compiled for the first batch, is refused in one line
+  before it runs if its memory does not fit the device (common/device_memory.py)."""
   task = task or tasks.of(cfg).prepare(data, cfg=cfg, layout=layout)
   if layout is not None and layout.sizes.get("context", 1) > 1:
     step = functools.partial(steps.sharded_eval_step, graphdef=graphdef, task=task, layout=layout)
@@ -236,6 +249,9 @@ def evaluate(
       held_out, batch_size=cfg.train.batch_size, max_batches=cfg.train.eval_batches
     ):
       batch = task.complete(steps.put_batch(batch, layout, task), params)
+      if check_memory:  # jit keeps the program compiled here for the calls below
+        check_eval_step(step, params, batch, cfg=cfg)
+        check_memory = False
       for k, v in step(params, batch).items():
         part[k] = part.get(k, 0.0) + float(v)
     for k, v in part.items():
@@ -246,3 +262,18 @@ def evaluate(
   if data.score is not None:
     result.update(data.score(graphdef, params))
   return result
+
+
+def check_eval_step(step, params, batch, *, cfg):
+  """A UserError of one line if the jitted eval `step`, compiled for `batch`, needs more memory
+  than the device has (the weights, already held, count as had)."""
+  fit = device_memory.measure(
+    step.lower(params, batch).compile(), held=device_memory.held_bytes(params)
+  )
+  if not fit.fits():
+    raise device_memory.refusal(
+      f"{cfg.get('experiment', '') or 'The experiment'}'s eval step",
+      fit,
+      "Lower --config.train.batch_size (the held-out rows a step), or use a device with more "
+      "memory.",
+    )

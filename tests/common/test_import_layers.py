@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # `experiments/`: the experiment files). A node imports only from the layers below its own.
 LAYERS = (
   ("errors", "kernels/"),
-  ("files", "config", "step_context", "distributed", "attention_impl"),
+  ("files", "config", "step_context", "distributed", "attention_impl", "device_memory"),
   ("mesh", "programs"),
   ("parallel",),
   ("nn",),
