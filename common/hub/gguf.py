@@ -240,10 +240,11 @@ def read_config(path: str):
   return mod.config_from_hf(config, names), config
 
 
-def read_gguf(path: str, *, param_dtype: str = "float32"):
+def read_gguf(path: str, *, param_dtype: str = "float32", quantize=None):
   """The model config and params of a GGUF file, and what was read (`read_hf`'s contract): the
   config.json it stands for, the tensors dropped, and the file's metadata (`gguf`: key ->
-  value, without the token lists)."""
+  value, without the token lists). `quantize` (`qlora.quantizer`): applied to each tensor as it
+  is dequantized (K-quants included), so a quantized base is never whole in fp32."""
   reader = _open(path)
   meta = _fields(reader)
   arch = _arch(meta, path)
@@ -257,7 +258,7 @@ def read_gguf(path: str, *, param_dtype: str = "float32"):
   wanted = [n for r in rules for n in hf.hf_names(r)]
   hf_of = {g: h for h, g in _gguf_names(arch, config["model_type"], cfg.num_layers, wanted).items()}
   tensors = GGUFTensors(reader, arch, config, hf_of)
-  params, skipped = hf.from_hf(cfg, mod, tensors, src=path)
+  params, skipped = hf.from_hf(cfg, mod, tensors, src=path, quantize=quantize)
   skipped += [n for n in names if n in DROPPED]
   info = {
     "config": config,
