@@ -65,6 +65,7 @@ TOKEN_LISTS = (
 )
 EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0")
 CONTEXT_LENGTH = 8192  # written when the model config names none
+DEQUANT_CHUNK = 1 << 20  # values a tensor is dequantized by at a time (`GGUFTensors.get`)
 
 
 def _supported() -> str:
@@ -214,8 +215,17 @@ class GGUFTensors:
     import gguf
 
     t = self.tensors[name]
-    x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
-    return _transform(self.arch, self.config, t.name, x.astype(np.float32), to_hf=True)
+    shape = self.shape(name)
+    # Dequantized a few rows at a time into the one fp32 array: the library's intermediates
+    # (several times the tensor's size for K-quants) never exist for a whole tensor.
+    x = np.empty(shape, np.float32)
+    rows = x.reshape(-1, shape[-1])
+    data = np.asarray(t.data).reshape(rows.shape[0], -1)
+    chunk = max(1, DEQUANT_CHUNK // shape[-1])
+    for i in range(0, rows.shape[0], chunk):
+      part = gguf.quants.dequantize(data[i : i + chunk], t.tensor_type)
+      rows[i : i + chunk] = part.reshape(-1, shape[-1])
+    return _transform(self.arch, self.config, t.name, x, to_hf=True)
 
 
 def _check_types(reader, path: str):

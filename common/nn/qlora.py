@@ -95,14 +95,6 @@ def dequantize(codes: jax.Array, scale: jax.Array, *, kind: str, dtype) -> jax.A
   return qarray.dequantize(q)
 
 
-def step(w: jax.Array, *, kind: str) -> jax.Array:
-  """One quantization step of each weight of w under `kind` (the largest distance between two
-  neighbouring codes, times the weight's block scale): what a test bounds the error by."""
-  _, scale = quantize(w, kind=kind)
-  gap = {"int8": 1.0, "int4": 1.0, "nf4": 1.0 - 0.7229568362236023}[kind]  # nf4: its widest gap
-  return jnp.repeat(scale, BLOCK, axis=-2) * gap
-
-
 def _block_linears(model: nnx.Module):
   from nnx_zoo.common.nn.linear import Linear
 
