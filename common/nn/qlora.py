@@ -96,10 +96,9 @@ def dequantize(codes: jax.Array, scale: jax.Array, *, kind: str, dtype) -> jax.A
 
 
 def _block_linears(model: nnx.Module):
-  from nnx_zoo.common.nn.linear import Linear
-
+  # A Linear is the node with a `base_quant` (common/nn/linear.py, which imports this module).
   for path, node in nnx.iter_graph(model):
-    if isinstance(node, Linear) and is_kernel((*path, "kernel")):
+    if isinstance(getattr(node, "base_quant", None), str) and is_kernel((*path, "kernel")):
       yield ".".join(map(str, path)), node
 
 
