@@ -152,6 +152,7 @@ ADDED_LATER = {
   "model.lora.alpha": 16.0,
   "model.lora.targets": "attn.q,attn.v",
   "model.lora.train": "",
+  "model.lora.base_quant": "",
   "model.num_labels": 0,
   "model.scan": False,
   "model.pipeline_repeats": 1,

@@ -15,7 +15,7 @@ from flax import nnx
 
 from nnx_zoo import zoo
 from nnx_zoo.common.errors import UserError, suggest
-from nnx_zoo.common.nn import keys, lora, memory, quant
+from nnx_zoo.common.nn import keys, lora, memory, qlora, quant
 from nnx_zoo.common.nn.denoiser import Denoiser
 from nnx_zoo.common.nn.encoder_decoder import EncoderDecoder
 
@@ -83,11 +83,14 @@ def family_module(name: str):
 
 def build(cfg, *, seed: int = 0) -> nnx.Module:
   """The NNX model of a `model` config, with freshly initialised weights (and LoRA adapters
-  where `model.lora` asks for them). A config saved before some of today's keys is read as
+  where `model.lora` asks for them, over a quantized base where `model.lora.base_quant` does).
+  A config saved before some of today's keys is read as
   today's (`upgrade`): the layers index every key they read."""
   cfg = upgrade(cfg)
+  qlora.check(cfg.lora)  # before anything is built
   model = family_module(cfg.family).Model(cfg, rngs=keys.Keys(seed))
   lora.apply(model, cfg.lora, seed=seed)
+  qlora.apply(model, cfg.lora)  # the frozen base of the blocks' Linears quantized (QLoRA)
   return model
 
 

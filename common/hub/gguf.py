@@ -65,6 +65,7 @@ TOKEN_LISTS = (
 )
 EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0")
 CONTEXT_LENGTH = 8192  # written when the model config names none
+DEQUANT_CHUNK = 1 << 20  # values a tensor is dequantized by at a time (`GGUFTensors.get`)
 
 
 def _supported() -> str:
@@ -214,8 +215,17 @@ class GGUFTensors:
     import gguf
 
     t = self.tensors[name]
-    x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
-    return _transform(self.arch, self.config, t.name, x.astype(np.float32), to_hf=True)
+    shape = self.shape(name)
+    # Dequantized a few rows at a time into the one fp32 array: the library's intermediates
+    # (several times the tensor's size for K-quants) never exist for a whole tensor.
+    x = np.empty(shape, np.float32)
+    rows = x.reshape(-1, shape[-1])
+    data = np.asarray(t.data).reshape(rows.shape[0], -1)
+    chunk = max(1, DEQUANT_CHUNK // shape[-1])
+    for i in range(0, rows.shape[0], chunk):
+      part = gguf.quants.dequantize(data[i : i + chunk], t.tensor_type)
+      rows[i : i + chunk] = part.reshape(-1, shape[-1])
+    return _transform(self.arch, self.config, t.name, x, to_hf=True)
 
 
 def _check_types(reader, path: str):
@@ -240,10 +250,11 @@ def read_config(path: str):
   return mod.config_from_hf(config, names), config
 
 
-def read_gguf(path: str, *, param_dtype: str = "float32"):
+def read_gguf(path: str, *, param_dtype: str = "float32", quantize=None):
   """The model config and params of a GGUF file, and what was read (`read_hf`'s contract): the
   config.json it stands for, the tensors dropped, and the file's metadata (`gguf`: key ->
-  value, without the token lists)."""
+  value, without the token lists). `quantize` (`qlora.quantizer`): applied to each tensor as it
+  is dequantized (K-quants included), so a quantized base is never whole in fp32."""
   reader = _open(path)
   meta = _fields(reader)
   arch = _arch(meta, path)
@@ -257,7 +268,7 @@ def read_gguf(path: str, *, param_dtype: str = "float32"):
   wanted = [n for r in rules for n in hf.hf_names(r)]
   hf_of = {g: h for h, g in _gguf_names(arch, config["model_type"], cfg.num_layers, wanted).items()}
   tensors = GGUFTensors(reader, arch, config, hf_of)
-  params, skipped = hf.from_hf(cfg, mod, tensors, src=path)
+  params, skipped = hf.from_hf(cfg, mod, tensors, src=path, quantize=quantize)
   skipped += [n for n in names if n in DROPPED]
   info = {
     "config": config,

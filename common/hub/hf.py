@@ -220,9 +220,13 @@ def _shapes(rule: Rule, want) -> tuple:
   return tuple(o.shape for o in out) if isinstance(rule.hf, tuple) else (out.shape,)
 
 
-def from_hf(cfg, mod, tensors: SafeTensors, *, src: str) -> tuple[nnx.State, list[str]]:
+def from_hf(
+  cfg, mod, tensors: SafeTensors, *, src: str, quantize=None
+) -> tuple[nnx.State, list[str]]:
   """The zoo params (in cfg.param_dtype, in the layout of cfg's model: stacked if
-  `model.scan`) of an HF checkpoint, and the names it dropped."""
+  `model.scan`) of an HF checkpoint, and the names it dropped. `quantize` (`qlora.quantizer`):
+  applied to each parameter as soon as it is read, so that a quantized base is never whole in
+  fp32."""
   rules, want = _checked_rules(cfg, mod, names=tensors.names())
   by_name = {n: r for r in rules for n in hf_names(r)}
   found, skipped, extra = {}, [], []
@@ -259,7 +263,9 @@ def from_hf(cfg, mod, tensors: SafeTensors, *, src: str) -> tuple[nnx.State, lis
   for rule in rules:
     values = rule.to_zoo(*(jnp.asarray(tensors.get(found[n])) for n in hf_names(rule)))
     for z, value in zip(rule.zoo, values, strict=True):
-      flat.append((_path(z), want[z].replace(value.astype(param_dtype))))
+      var = want[z].replace(value.astype(param_dtype))
+      flat.extend([(_path(z), var)] if quantize is None else quantize(_path(z), var))
+    del values  # the fp32 tensors of this rule, before the next is read
   return stacking.stack_layers(nnx.from_flat_state(flat), _stacked_as(cfg)), skipped
 
 
@@ -278,13 +284,13 @@ def to_hf(cfg, mod, params: nnx.State) -> dict[str, jax.Array]:
   return out
 
 
-def read_hf(src: str, *, param_dtype: str = "float32"):
+def read_hf(src: str, *, param_dtype: str = "float32", quantize=None):
   """The model config and params of an HF directory, and what was read: its config.json and
-  the tensors dropped (IGNORED)."""
+  the tensors dropped (IGNORED). `quantize`: as `from_hf`."""
   hf = read_hf_config(src)
   mod = params_module(family_of(architecture(hf)))
   tensors = SafeTensors(src)
   cfg = mod.config_from_hf(hf, tensors.names())
   cfg.param_dtype = param_dtype
-  params, skipped = from_hf(cfg, mod, tensors, src=src)
+  params, skipped = from_hf(cfg, mod, tensors, src=src, quantize=quantize)
   return cfg, params, {"config": hf, "skipped": skipped}

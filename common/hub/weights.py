@@ -32,7 +32,7 @@ from nnx_zoo.common.hub.hf import (
   read_hf_config,
   to_hf,
 )
-from nnx_zoo.common.nn import lora, stacking
+from nnx_zoo.common.nn import lora, qlora, stacking
 
 
 def is_zoo_checkpoint(path: str) -> bool:
@@ -45,21 +45,48 @@ def params_key(meta: dict) -> str:
   return "ema" if meta.get("weights") == "ema" else "params"
 
 
-def read_zoo(path: str) -> tuple[ml_collections.ConfigDict, nnx.State, dict]:
+def read_zoo(path: str, *, quantize=None) -> tuple[ml_collections.ConfigDict, nnx.State, dict]:
   """The model config, params and `meta` of the latest checkpoint of a zoo run or conversion
-  (a LoRA run's adapters merged into the base weights)."""
+  (a LoRA run's adapters merged into the base weights, over its dequantized base if QLoRA).
+  `quantize` (`qlora.quantizer`): the checkpoint of a model without adapters is then read a
+  parameter at a time, each quantized as it is read."""
   ckpts, step = checkpoint.open_latest(path)
   try:
     meta = ckpts.meta(step)
     cfg = ml_collections.ConfigDict(models.upgrade(meta["model"]))
     abstract = nnx.state(models.abstract(cfg), nnx.Param)
     key = params_key(meta)
+    stacked = stacking.layouts(k for k, _ in nnx.to_flat_state(abstract))
+    if quantize is not None and not cfg.lora.rank and not stacked:
+      params = _read_quantizing(ckpts, key, abstract, quantize)
+      return cfg, params, meta
     params = ckpts.restore_latest({key: abstract})[key]  # the newest undamaged step
   finally:
     ckpts.close()
   if cfg.lora.rank:  # upgraded: every model config has model.lora
     cfg, params = merge_lora(cfg, params)
+  if quantize is not None:  # whole: a LoRA run's merged weights, a stacked checkpoint
+    flat = nnx.to_flat_state(stacking.unstack_layers(params))
+    params = nnx.from_flat_state([kv for k, v in flat for kv in quantize(k, v)])
   return cfg, params, meta
+
+
+def _read_quantizing(ckpts, key: str, abstract: nnx.State, quantize) -> nnx.State:
+  """The params of a checkpoint, one tree per layer, restored a quantized kernel at a time
+  (each quantized before the next is read) and the rest at once (a model stored one tree per
+  layer: a stacked kernel is whole in one array)."""
+  flat = nnx.to_flat_state(abstract)
+  targets = [(k, v) for k, v in flat if k in quantize.targets]
+  rest = [(k, v) for k, v in flat if k not in quantize.targets]
+
+  def restore(part):
+    return nnx.to_flat_state(ckpts.restore_latest({key: nnx.from_flat_state(part)})[key])
+
+  out = list(restore(rest)) if rest else []
+  for k, v in targets:
+    ((_, got),) = restore([(k, v)])
+    out += quantize(k, got)
+  return nnx.from_flat_state(out)
 
 
 def merge_lora(cfg, params: nnx.State) -> tuple[ml_collections.ConfigDict, nnx.State]:
@@ -67,7 +94,7 @@ def merge_lora(cfg, params: nnx.State) -> tuple[ml_collections.ConfigDict, nnx.S
   model = nnx.merge(nnx.graphdef(models.abstract(cfg)), jax.tree.map(jnp.asarray, params))
   lora.merge(model)
   cfg = ml_collections.ConfigDict(cfg.to_dict())
-  cfg.lora.rank = 0
+  cfg.lora.rank, cfg.lora.base_quant = 0, ""
   return cfg, nnx.state(model, nnx.Param)
 
 
@@ -113,7 +140,7 @@ def source(path: str) -> Source:
     finally:
       ckpts.close()
     model = models.upgrade(meta["model"])
-    model.lora.rank = 0  # merged into the base weights by `read`
+    model.lora.rank, model.lora.base_quant = 0, ""  # merged into the base weights by `read`
     data = meta.get("data", {})
     tokenizer = data.get("tokenizer")
     if tokenizer and tokenizer.get("kind") != "bytes" and not tokenizer.get("path"):
@@ -164,18 +191,19 @@ def gguf_workdir(path: str) -> str:
   return out
 
 
-def read(path: str) -> tuple[ml_collections.ConfigDict, nnx.State]:
+def read(path: str, *, quantize=None) -> tuple[ml_collections.ConfigDict, nnx.State]:
   """The model config and params at `path`: a zoo checkpoint (a `zoo run` workdir or the output
-  of `zoo convert`) or a Hugging Face directory."""
+  of `zoo convert`), a Hugging Face directory or a GGUF file. `quantize` (`qlora.quantizer`):
+  applied to each parameter as it is read (a quantized base is never whole in fp32)."""
   path = locate(path)
   if not os.path.exists(path):
     raise UserError(f"{path!r} does not exist: give a zoo checkpoint or a Hugging Face directory.")
   if path.endswith(".gguf"):  # a llama.cpp file
-    return gguf.read_gguf(path)[:2]
+    return gguf.read_gguf(path, quantize=quantize)[:2]
   if is_zoo_checkpoint(path):
-    cfg, params, _ = read_zoo(path)
+    cfg, params, _ = read_zoo(path, quantize=quantize)
   else:
-    cfg, params, _ = read_hf(path)
+    cfg, params, _ = read_hf(path, quantize=quantize)
   return cfg, params
 
 
@@ -269,11 +297,14 @@ def init_params(cfg, params: nnx.State) -> nnx.State:
       f"init_from={path!r} does not exist: give the workdir of an earlier `zoo run`, a "
       "`zoo convert` output, a Hugging Face directory or hub id (or leave init_from empty)."
     )
-  _, loaded = read(path)  # params only: the optimizer starts fresh
-  reinit = lora.patterns(cfg.get("init_reinit", ""))
   # Compared and named one tree per layer (`blocks.3.attn.q`), whether either side stores its
   # layers stacked (model.scan): the result is in that layout too.
   want = dict(nnx.to_flat_state(stacking.unstack_layers(params)))
+  kind = cfg.model.lora.base_quant
+  # QLoRA: the base quantized as it is read, a tensor at a time (params only: the optimizer
+  # starts fresh).
+  _, loaded = read(path, quantize=qlora.quantizer(want, kind) if kind else None)
+  reinit = lora.patterns(cfg.get("init_reinit", ""))
   got = dict(nnx.to_flat_state(stacking.unstack_layers(loaded)))
 
   def fresh(key) -> bool:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_zoo.common import parallel
-from nnx_zoo.common.nn import quant
+from nnx_zoo.common.nn import qlora, quant
 
 Axes = tuple[str | None, ...]
 
@@ -25,7 +25,9 @@ class Linear(nnx.Module):
   XLA:CPU computes the weight gradient of a 3-D `x @ W` about 4x slower than the 2-D form (see
   DESIGN.md), so every leading dim is flattened into one before the dot. `axes` are the logical
   names of the kernel dims (the legend in DESIGN.md), read by the sharding rules. `quant` (set
-  by the stack from `model.quant`, common/nn/quant.py) multiplies in int8 or fp8.
+  by the stack from `model.quant`, common/nn/quant.py) multiplies in int8 or fp8. `base_quant`
+  (set by `qlora.apply` from `model.lora.base_quant`) says the kernel is stored quantized, its
+  codes in `kernel` and its scales in `kernel_scale`, dequantized here to `dtype`.
   """
 
   def __init__(
@@ -50,10 +52,17 @@ class Linear(nnx.Module):
     )
     self.lora = nnx.data(None)  # a low-rank adapter, added by common.lora.apply if configured
     self.quant: quant.Quant | None = None  # float unless the stack quantizes this projection
+    self.base_quant = ""  # the kernel in param_dtype, unless qlora.apply stores it quantized
+    self.kernel_scale = nnx.data(None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     *lead, d = x.shape
-    kernel = parallel.gather(self.kernel[...], self.axes).astype(self.dtype)
+    if self.base_quant:  # the codes and scales gathered, then dequantized (common/nn/qlora.py)
+      codes = parallel.gather(self.kernel[...], self.axes)
+      scale = parallel.gather(self.kernel_scale[...], self.axes)
+      kernel = qlora.dequantize(codes, scale, kind=self.base_quant, dtype=self.dtype)
+    else:
+      kernel = parallel.gather(self.kernel[...], self.axes).astype(self.dtype)
     x = x.reshape(-1, d).astype(self.dtype)
     y = jnp.dot(x, kernel) if self.quant is None else quant.dot(x, kernel, self.quant)
     y = parallel.reduce(y, self.axes[0])

@@ -7,7 +7,9 @@ is a config value (`model.lora.targets`: patterns on the module path, e.g. "attn
 `model.py` never mentions LoRA. With `model.lora.rank > 0` the trainer updates only the adapter
 weights (and the parameters `model.lora.train` names, e.g. a new classifier head): the optimizer
 holds no state for the rest and no gradient is computed for it. `merge` folds the adapters into
-the base weights, which is what `zoo export hf` writes.
+the base weights, which is what `zoo export hf` writes. `model.lora.base_quant` stores the frozen
+base of the blocks' Linears quantized (QLoRA, common/nn/qlora.py); `merge` then folds the
+adapters into the dequantized base.
 """
 
 import fnmatch
@@ -20,7 +22,7 @@ from flax import nnx
 
 from nnx_zoo.common import parallel
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import keys, stacking
+from nnx_zoo.common.nn import keys, qlora, stacking
 from nnx_zoo.common.nn.linear import Linear
 
 
@@ -29,13 +31,18 @@ class LoRAParam(nnx.Param):
 
 
 def config(
-  rank: int = 0, alpha: float = 16.0, targets: str = "attn.q,attn.v", train: str = ""
+  rank: int = 0,
+  alpha: float = 16.0,
+  targets: str = "attn.q,attn.v",
+  train: str = "",
+  base_quant: str = "",
 ) -> ml_collections.ConfigDict:
   """A `model.lora` sub-config. rank=0: no adapters, every parameter trains. targets: comma-
   separated patterns matched against the end of each Linear's dotted path (`blocks.3.attn.q`);
-  train: patterns of other parameters that still train (e.g. "head.*")."""
+  train: patterns of other parameters that still train (e.g. "head.*"); base_quant: "" (the
+  frozen base in param_dtype), "int8", "int4" or "nf4" (QLoRA, common/nn/qlora.py)."""
   return ml_collections.ConfigDict(
-    {"rank": rank, "alpha": alpha, "targets": targets, "train": train}
+    {"rank": rank, "alpha": alpha, "targets": targets, "train": train, "base_quant": base_quant}
   )
 
 
@@ -130,7 +137,8 @@ def apply(model: nnx.Module, cfg, *, seed: int = 0) -> nnx.Module:
       alpha=cfg.alpha,
       axes=lin.axes,
       dtype=lin.dtype,
-      param_dtype=lin.kernel[...].dtype,
+      # Over a quantized base (QLoRA) the adapters stay fp32, whatever param_dtype is.
+      param_dtype=jnp.float32 if cfg.base_quant else lin.kernel[...].dtype,
       rngs=rngs,
     )
     adapters.setdefault(id(lin), (lin, {}))[1][r] = adapter
@@ -158,15 +166,24 @@ def trainable(cfg):
 
   def is_trained(path, x):
     return isinstance(x, LoRAParam) or (
-      isinstance(x, nnx.Param) and matches(".".join(map(str, path)), also)
+      isinstance(x, nnx.Param)
+      and not isinstance(x, qlora.QuantizedBase)  # a quantized base never trains
+      and matches(".".join(map(str, path)), also)
     )
 
   return is_trained
 
 
 def merge(model: nnx.Module) -> nnx.Module:
-  """Folds each adapter into its base kernel (W += A @ B * scale) and removes it, in place."""
+  """Folds each adapter into its base kernel (W += A @ B * scale) and removes it, in place. A
+  quantized base (QLoRA) is dequantized first, to the dtype of its scales (param_dtype): the
+  merged kernel is that dequantized base plus the adapter's product."""
   for _, lin in _linears(model):
+    if lin.base_quant:
+      scale = lin.kernel_scale[...]
+      base = qlora.dequantize(lin.kernel[...], scale, kind=lin.base_quant, dtype=scale.dtype)
+      lin.kernel = nnx.Param(base, axes=getattr(lin.kernel, "axes", None))
+      lin.kernel_scale, lin.base_quant = nnx.data(None), ""
     if lin.lora is not None:
       delta = (lin.lora.a[...] @ lin.lora.b[...]) * lin.lora.scale
       lin.kernel[...] = (lin.kernel[...] + delta).astype(lin.kernel[...].dtype)
