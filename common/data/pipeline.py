@@ -264,6 +264,11 @@ def config(**kw) -> ml_collections.ConfigDict:
     # cached, common/data/rollouts.py), of at most rejected_max_tokens tokens.
     "rejected": "",
     "rejected_max_tokens": 64,
+    # format "preference": a pair row [2, seq_len + 1] holds "one" pair (chosen on one side,
+    # rejected on the other) or is "packed" with as many whole pairs as fit, so short pairs are
+    # not mostly padding (`pair_plan`; docs/chat.md, "Packed pairs": a step then trains on
+    # train.batch_size pair rows, at least that many pairs).
+    "pairs_per_row": "one",
     # Conversations, pairs or prompts: only the first max_records records of each split (0: all).
     "max_records": 0,
   }
@@ -351,8 +356,9 @@ def _conversations(cfg, split: str) -> list[tuple[str, object]]:
 
 def conversation_split(cfg, split: str, tokenizer, *, replier=None) -> Rows | None:
   """The rows of chat or preference data (common/data/chat.py): a chat split's conversations
-  packed whole into rows with their loss weights; a preference split one pair a row, [N, 2,
-  seq_len + 1] (chosen, rejected), the loss weights on the final reply only."""
+  packed whole into rows with their loss weights; a preference split as pair rows [N, 2,
+  seq_len + 1] (`pair_rows`: one pair a row, chosen and rejected, or packed), the loss weights
+  on the final reply only."""
   if cfg.format not in FORMATS:
     raise UserError(f"Unknown data.format {cfg.format!r}: use one of {', '.join(FORMATS)}.")
   if cfg.loss_on not in ("assistant", "all"):
@@ -380,7 +386,8 @@ def conversation_split(cfg, split: str, tokenizer, *, replier=None) -> Rows | No
     if replier is not None:  # on-policy: the starting model's own reply is the rejected one
       records = on_policy(records, replier, template=template, tokenizer=tokenizer)
     encoded = _encode_pairs(records, template, tokenizer, row_len, f"{split} data")
-    packed = pair_rows(encoded.ids, encoded.weights, row_len)
+    layout = cfg.get("pairs_per_row", "one")  # a config saved before the key: one pair a row
+    packed = pair_rows(encoded.ids, encoded.weights, row_len, pairs_per_row=layout)
   if encoded.dropped:
     files.warn(
       f"{encoded.dropped} {cfg.format} records of the {split} data have no assistant token "
@@ -388,7 +395,10 @@ def conversation_split(cfg, split: str, tokenizer, *, replier=None) -> Rows | No
     )
   if len(packed["tokens"]) == 0:
     raise UserError(f"The {split} data has no {cfg.format} record left: raise data.seq_len.")
-  return Rows(packed, f"{cfg.kind}:{cfg.format}:{split}:{cfg.seq_len}")
+  name = f"{cfg.kind}:{cfg.format}:{split}:{cfg.seq_len}"
+  if cfg.format == "preference" and cfg.get("pairs_per_row", "one") != "one":
+    name += f":{cfg.pairs_per_row}"  # grain keys the iterator state on it: the old name kept
+  return Rows(packed, name)
 
 
 def prompt_rows(records, template, tokenizer, seq_len: int) -> dict:
@@ -449,19 +459,81 @@ def _encode_pairs(records, template, tokenizer, row_len: int, what: str) -> chat
   return out
 
 
-def pair_rows(ids: list[np.ndarray], weights: list[np.ndarray], row_len: int) -> dict:
-  """Pairs' conversations, chosen then rejected, each at most `row_len` tokens, as rows
-  {"tokens", "segment_ids", "loss_weights"} [N, 2, row_len] (the prepared kind's too)."""
-  n = len(ids) // 2
+PAIRS_PER_ROW = ("one", "packed")
+
+
+def pair_plan(lengths_N2, row_len: int, *, pairs_per_row: str = "one", window: int = 16):
+  """Which pairs each pair row [2, row_len] holds, and where: per row, [(pair, side of its
+  chosen conversation, side of its rejected one)], pairs in order. "one": pair p alone in row p,
+  chosen on side 0, rejected on side 1 (a pair always fits: each conversation is at most
+  `row_len`). "packed": each pair whole into the first of the last `window` rows with room for
+  both its conversations (on different sides, or both on one), else a new row, as `chat.pack`
+  packs conversations; a pair never spans two rows, so its log-probabilities stay in one."""
+  if pairs_per_row not in PAIRS_PER_ROW:
+    raise UserError(
+      f"Unknown data.pairs_per_row {pairs_per_row!r}: use 'one' (a pair a row) or 'packed' "
+      "(as many whole pairs a row as fit)."
+    )
+  rows, free = [], []
+  for p, (c, r) in enumerate(np.asarray(lengths_N2, np.int64).reshape(-1, 2)):
+    placed = None
+    if pairs_per_row == "packed":
+      for i in range(max(len(rows) - window, 0), len(rows)):
+        f0, f1 = free[i]
+        for sides, fits in (
+          ((0, 1), c <= f0 and r <= f1),
+          ((1, 0), c <= f1 and r <= f0),
+          ((0, 0), c + r <= f0),
+          ((1, 1), c + r <= f1),
+        ):
+          if fits:
+            placed = i, sides
+            break
+        if placed:
+          break
+    if placed is None:
+      rows.append([])
+      free.append([row_len, row_len])
+      placed = len(rows) - 1, (0, 1)
+    i, sides = placed
+    rows[i].append((p, *sides))
+    for side, n in zip(sides, (c, r), strict=True):
+      free[i][side] -= n
+  return rows
+
+
+def pair_rows(
+  ids: list[np.ndarray],
+  weights: list[np.ndarray],
+  row_len: int,
+  *,
+  pairs_per_row: str = "one",
+  plan: list | None = None,
+) -> dict:
+  """Pairs' conversations, chosen then rejected, each at most `row_len` tokens, as pair rows
+  {"tokens", "segment_ids", "loss_weights"} [R, 2, row_len] (the prepared kind's too), laid out
+  by `plan` (`pair_plan`'s, of these pairs; by default made here). The segment ids name each
+  conversation's pair and side: the k-th pair of a row has segment 2k + 1 (its chosen
+  conversation) and 2k + 2 (its rejected one), 0 is padding, so attention keeps every
+  conversation apart and the dpo task sums each pair's log-probability from them
+  (common/tasks/preference.py)."""
+  lengths = [len(x) for x in ids]
+  if plan is None:
+    plan = pair_plan(lengths, row_len, pairs_per_row=pairs_per_row)
   rows = {
-    "tokens": np.zeros((n, 2, row_len), np.int32),
-    "segment_ids": np.zeros((n, 2, row_len), np.int32),
-    "loss_weights": np.zeros((n, 2, row_len), np.float32),
+    "tokens": np.zeros((len(plan), 2, row_len), np.int32),
+    "segment_ids": np.zeros((len(plan), 2, row_len), np.int32),
+    "loss_weights": np.zeros((len(plan), 2, row_len), np.float32),
   }
-  for j, (side_ids, side_weights) in enumerate(zip(ids, weights, strict=True)):
-    at = divmod(j, 2)  # (pair, side)
-    rows["tokens"][at][: len(side_ids)], rows["segment_ids"][at][: len(side_ids)] = side_ids, 1
-    rows["loss_weights"][at][: len(side_ids)] = side_weights
+  for r, members in enumerate(plan):
+    at = [0, 0]  # the next free token of each side
+    for k, (p, *sides) in enumerate(members):
+      for j, side in enumerate(sides):  # j: 0 chosen, 1 rejected
+        side_ids, n = ids[2 * p + j], lengths[2 * p + j]
+        span = (r, side, slice(at[side], at[side] + n))
+        rows["tokens"][span], rows["segment_ids"][span] = side_ids, 2 * k + j + 1
+        rows["loss_weights"][span] = weights[2 * p + j]
+        at[side] += n
   return rows
 
 

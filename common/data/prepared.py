@@ -137,40 +137,61 @@ class PackedRows:
 
 
 class PairRows:
-  """A grain random-access source of a preference split's pairs: pair p is documents 2p (prompt +
-  chosen) and 2p + 1 (prompt + rejected), as `zoo data prepare` wrote them, each cut to
-  `row_len` tokens, one row [2, row_len] a pair, as `pipeline.conversation_split` makes at
-  start-up. A pair whose reply the cut leaves empty on a side stays, its weights zero there: the
-  dpo task counts only pairs with a reply token on both sides (start-up drops them instead)."""
+  """A grain random-access source of a preference split's pair rows: pair p is documents 2p
+  (prompt + chosen) and 2p + 1 (prompt + rejected), as `zoo data prepare` wrote them, each cut to
+  `row_len` tokens, laid out as `pipeline.conversation_split` lays them out at start-up
+  (`pipeline.pair_plan`: one pair a row [2, row_len], or packed, planned once here from the
+  documents' lengths, which the entries hold). A pair whose reply the cut leaves empty on a side
+  stays, its weights zero there: the dpo task counts only pairs with a reply token on both sides
+  (start-up drops them instead)."""
 
-  def __init__(self, split: Split, row_len: int):
-    self.split, self.row_len = split, row_len
-    self.num_rows = split.num_documents // 2
+  def __init__(self, split: Split, row_len: int, *, pairs_per_row: str = "one"):
+    self.split, self.row_len, self.pairs_per_row = split, row_len, pairs_per_row
+    self.num_pairs = split.num_documents // 2
+    self.plan = None  # one pair a row: row p is pair p
+    if pairs_per_row != "one":
+      lengths = np.concatenate([np.diff(e, prepend=0) for e in split.ends] or [np.zeros(0, int)])
+      lengths = np.minimum(lengths[: 2 * self.num_pairs], row_len)
+      self.plan = pipeline.pair_plan(lengths, row_len, pairs_per_row=pairs_per_row)
+    self.num_rows = self.num_pairs if self.plan is None else len(self.plan)
 
   def __len__(self):
     return self.num_rows
 
-  def read(self, rows_R: np.ndarray) -> dict:
-    """The pairs of the indices `rows_R`: {"tokens", "segment_ids", "loss_weights"} [R, 2, L]."""
+  def _pairs(self, pairs) -> tuple[list, list]:
+    """The ids and weights of `pairs`' conversations, chosen then rejected, cut to a row."""
     L = self.row_len
-    docs = [self.split.document(2 * int(p) + side) for p in rows_R for side in (0, 1)]
-    return pipeline.pair_rows([t[:L] for t, _ in docs], [w[:L] for _, w in docs], L)
+    docs = [self.split.document(2 * int(p) + side) for p in pairs for side in (0, 1)]
+    return [t[:L] for t, _ in docs], [w[:L] for _, w in docs]
+
+  def read(self, rows_R: np.ndarray) -> dict:
+    """The pair rows of the indices `rows_R`: {"tokens", "segment_ids", "loss_weights"}
+    [R, 2, L]."""
+    if self.plan is None:
+      return pipeline.pair_rows(*self._pairs(rows_R), self.row_len)
+    members = [self.plan[int(r)] for r in rows_R]
+    pairs = [p for row in members for p, _, _ in row]
+    local, k = [], 0  # the plan of these rows, over the pairs read for them
+    for row in members:
+      local.append([(k + j, *sides) for j, (_, *sides) in enumerate(row)])
+      k += len(row)
+    return pipeline.pair_rows(*self._pairs(pairs), self.row_len, plan=local)
 
   def check(self, what: str, *, sample: int = 1024):
     """Warns of the pairs (of the first `sample`) whose reply the row's length cuts away on a
     side, which train on nothing; refuses a split where none of them keeps both replies."""
-    n = min(len(self), sample)
+    n = min(self.num_pairs, sample)
     if n == 0:
       return
-    weights = self.read(np.arange(n))["loss_weights"]
-    cut = int(np.sum(~(weights.sum(axis=2) > 0).all(axis=1)))
+    _, weights = self._pairs(range(n))
+    cut = sum(not (weights[2 * p].any() and weights[2 * p + 1].any()) for p in range(n))
     if cut == n:
       raise UserError(
         f"None of the first {n} pairs of {what} keeps a reply token on both sides in "
         f"seq_len + 1 = {self.row_len} tokens: raise data.seq_len."
       )
     if cut:
-      of = f"{cut} of its {n} pairs" if n == len(self) else f"{cut} of its first {n} pairs"
+      of = f"{cut} of its {n} pairs" if n == self.num_pairs else f"{cut} of its first {n} pairs"
       files.warn(
         f"{of} of {what} have a reply cut away in seq_len + 1 = {self.row_len} tokens: they "
         "count for nothing (raise data.seq_len to keep them)."
@@ -180,12 +201,16 @@ class PairRows:
     return {k: v[0] for k, v in self.read(np.array([r])).items()}
 
   def __repr__(self):  # stable: grain keys the iterator state on it
-    return f"PairRows({self.split.path}:{self.split.split}, {self.row_len}, {self.num_rows})"
+    layout = "" if self.plan is None else f", {self.pairs_per_row}"
+    return (
+      f"PairRows({self.split.path}:{self.split.split}, {self.row_len}, {self.num_rows}{layout})"
+    )
 
 
-def rows(split: Split, row_len: int, *, fmt: str, pad_last: bool):
-  """A split's rows for a run reading `data.format=fmt`: its pairs for preference data, packed
-  rows otherwise; a directory prepared one way and read the other is refused."""
+def rows(split: Split, row_len: int, *, fmt: str, pad_last: bool, pairs_per_row: str = "one"):
+  """A split's rows for a run reading `data.format=fmt`: its pairs for preference data (laid
+  out `pairs_per_row`), packed rows otherwise; a directory prepared one way and read the other
+  is refused."""
   if split.formats and (fmt == "preference") != (split.formats == {"preference"}):
     prepared = ", ".join(sorted(split.formats))
     raise UserError(
@@ -193,7 +218,7 @@ def rows(split: Split, row_len: int, *, fmt: str, pad_last: bool):
       "prepare it again with this experiment, or set data.format to what it holds."
     )
   if fmt == "preference":
-    pairs = PairRows(split, row_len)
+    pairs = PairRows(split, row_len, pairs_per_row=pairs_per_row)
     pairs.check(f"{split.path}'s {split.split} split")
     return pairs
   return PackedRows(split, row_len, pad_last=pad_last)
@@ -374,10 +399,11 @@ def check(cfg):
 def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Data:
   parts = components(cfg.data)
   row_len, fmt = cfg.data.seq_len + 1, cfg.data.get("format", "text")
+  layout = dict(fmt=fmt, pairs_per_row=cfg.data.get("pairs_per_row", "one"))
   iterator = None
   if train:
     train_rows = {
-      p.name: rows(Split(p.path, "train"), row_len, fmt=fmt, pad_last=False) for p in parts
+      p.name: rows(Split(p.path, "train"), row_len, pad_last=False, **layout) for p in parts
     }
     iterator = train_iterator(
       train_rows,
@@ -387,7 +413,7 @@ def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Dat
       share=share,
       workers=cfg.data.workers,
     )
-  held_out = {p.name: rows(Split(p.path, "eval"), row_len, fmt=fmt, pad_last=True) for p in parts}
+  held_out = {p.name: rows(Split(p.path, "eval"), row_len, pad_last=True, **layout) for p in parts}
   held_out = {name: rows for name, rows in held_out.items() if len(rows)}
   if not held_out:
     held_out = None

@@ -245,3 +245,220 @@ def test_prepared_pairs_are_the_startup_rows(tmp_path, capsys):
   )
   with pytest.raises(UserError, match="None of the first .* raise data.seq_len"):
     trainer.load_data(short)
+
+
+# Packed pairs (data.pairs_per_row="packed"): several whole pairs a pair row
+
+
+def _random_pairs(rng, vocab: int, count: int, *, low: int = 6, high: int = 40):
+  """Pairs of conversations of random tokens and lengths, each side's last tokens its reply."""
+  ids, weights = [], []
+  for _ in range(count):
+    prompt = rng.integers(1, vocab, rng.integers(3, low))
+    for _side in range(2):
+      reply = rng.integers(1, vocab, rng.integers(2, high - low))
+      ids.append(np.concatenate([prompt, reply]).astype(np.int32))
+      weights.append(np.r_[np.zeros(len(prompt)), np.ones(len(reply))].astype(np.uint8))
+  return ids, weights
+
+
+@pytest.fixture(scope="module")
+def packed_pairs(setup):
+  """Ten short random pairs as pair rows of one pair each and packed, at the smoke's seq_len."""
+  from nnx_zoo.common.data import pipeline
+
+  cfg, _, _, model = setup
+  L = cfg.data.seq_len + 1
+  ids, weights = _random_pairs(np.random.default_rng(1), cfg.model.vocab_size, 10)
+  one = pipeline.pair_rows(ids, weights, L)
+  packed = pipeline.pair_rows(ids, weights, L, pairs_per_row="packed")
+  plan = pipeline.pair_plan([len(x) for x in ids], L, pairs_per_row="packed")
+  return ids, weights, one, packed, plan
+
+
+def test_pair_plan_keeps_pairs_whole_and_rows_within_length():
+  from nnx_zoo.common.data import pipeline
+
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(1, 65, (200, 2))
+  plan = pipeline.pair_plan(lengths, 64, pairs_per_row="packed")
+  assert sorted(p for row in plan for p, _, _ in row) == list(range(200))  # each once, in a row
+  for row in plan:
+    used = np.zeros(2, int)
+    for p, chosen, rejected in row:
+      used[chosen] += lengths[p, 0]
+      used[rejected] += lengths[p, 1]
+    assert (used <= 64).all()
+  assert len(plan) < 200 * 0.75  # packed at all
+  one = pipeline.pair_plan(lengths, 64)
+  assert one == [[(p, 0, 1)] for p in range(200)]  # the layout before packing
+  with pytest.raises(UserError, match="pairs_per_row"):
+    pipeline.pair_plan(lengths, 64, pairs_per_row="tight")
+
+
+def test_packed_logps_equal_each_pair_alone(setup, packed_pairs):
+  """Each pair's chosen and rejected log-probabilities from packed rows equal those of each
+  conversation run alone through the model (numpy's log-softmax), and the one-pair-a-row
+  layout's, to float tolerance; an empty slot is 0."""
+  (
+    _,
+    _,
+    model,
+  ) = setup[1:]
+  ids, weights, one, packed, plan = packed_pairs
+  assert len(packed["tokens"]) < len(one["tokens"]) == 10
+  # Each conversation alone in a row of its own (padding after it), one forward pass.
+  L = one["tokens"].shape[-1]
+  tokens = np.zeros((len(ids), L), np.int32)
+  for i, t in enumerate(ids):
+    tokens[i, : len(t)] = t
+  logits = np.asarray(nnx.jit(lambda m, x: m(x))(model, tokens[:, :-1]))
+  logits = np.concatenate([logits, np.zeros_like(logits[:, :1])], axis=1)
+  w = np.zeros((len(ids), L), np.float32)
+  for i, x in enumerate(weights):
+    w[i, : len(x)] = x
+  alone = numpy_logps(logits, tokens, w).reshape(-1, 2)
+  rows_one = jitted(preference.sequence_logps)(model, one)
+  np.testing.assert_allclose(np.asarray(rows_one), alone, rtol=1e-5, atol=1e-4)
+  logps = nnx.jit(lambda m, b: preference.sequence_logps(m, b, packed=True))(model, packed)
+  logps = np.asarray(logps)  # [R, P, 2]
+  assert logps.shape == (len(plan), packed["tokens"].shape[-1], 2)
+  filled = np.zeros(logps.shape[:2], bool)
+  for r, row in enumerate(plan):
+    for k, (p, _, _) in enumerate(row):
+      np.testing.assert_allclose(logps[r, k], alone[p], rtol=1e-5, atol=1e-4)
+      filled[r, k] = True
+  assert (logps[~filled] == 0).all()
+
+
+def test_packed_loss_equals_one_pair_a_row(setup, packed_pairs):
+  """The dpo loss and held-out sums of a batch of pairs are the same packed as one pair a row
+  (and the paper's formula on each pair's own log-probabilities): every pair counts once."""
+  model = setup[3]
+  _, _, one, packed, plan = packed_pairs
+  rng = np.random.default_rng(2)
+  reference = rng.normal(-60, 10, (10, 2)).astype(np.float32)
+  packed_reference = np.zeros((len(plan), packed["tokens"].shape[-1], 2), np.float32)
+  for r, row in enumerate(plan):
+    for k, (p, _, _) in enumerate(row):
+      packed_reference[r, k] = reference[p]
+  plain, tight = preference.DPO(0.5), preference.DPO(0.5, packed=True)
+  want = jitted(plain.eval_sums)(model, dict(one, reference=reference))
+  got = jitted(tight.eval_sums)(model, dict(packed, reference=packed_reference))
+  assert float(got["count"]) == float(want["count"]) == 10
+  for key in want:
+    np.testing.assert_allclose(float(got[key]), float(want[key]), rtol=1e-5, atol=1e-4)
+  pi = np.asarray(jitted(preference.sequence_logps)(model, one))
+  margin = 0.5 * ((pi[:, 0] - reference[:, 0]) - (pi[:, 1] - reference[:, 1]))
+  total, count = jitted(tight.loss_sums)(model, dict(packed, reference=packed_reference))
+  np.testing.assert_allclose(float(total), np.log1p(np.exp(-margin)).sum(), rtol=1e-5)
+
+
+def test_packed_pair_rows_train_batches_resume_exactly(tmp_path):
+  """Start-up packs short pairs several a row (fewer rows, every pair kept once, each
+  conversation whole), and the training iterator restored from its state gives the same
+  batches."""
+  from nnx_zoo.common.data import pipeline, tokenizers
+
+  rng = np.random.default_rng(0)
+  words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 6)) for _ in range(40)]
+  _echo_pairs(tmp_path / "train.jsonl", words)
+  over = {"data.kind": "files", "data.train_files": str(tmp_path / "train.jsonl")}
+  over.update({"data.eval_plays": "", "train.batch_size": "2"})
+  cfg = experiments.get_config("chat/shakespeare-dialogue-dpo:smoke", over)
+  packed_cfg = experiments.get_config(
+    "chat/shakespeare-dialogue-dpo:smoke", {**over, "data.pairs_per_row": "packed"}
+  )
+  tokenizer = tokenizers.load(cfg.data.tokenizer)
+  one = pipeline.load_split(cfg.data, "train", tokenizer).packed
+  packed = pipeline.load_split(packed_cfg.data, "train", tokenizer).packed
+  assert len(packed["tokens"]) < len(one["tokens"]) == 40
+
+  def conversations(rows):
+    out = []
+    L = rows["tokens"].shape[-1]
+    for t, s in zip(rows["tokens"].reshape(-1, L), rows["segment_ids"].reshape(-1, L), strict=True):
+      out += [tuple(t[s == k]) for k in np.unique(s[s > 0])]
+    return sorted(out)
+
+  assert conversations(packed) == conversations(one)
+  data = trainer.load_data(packed_cfg)
+  for _ in range(2):
+    next(data.iterator)
+  state = data.iterator.get_state()
+  want = [next(data.iterator) for _ in range(3)]
+  again = trainer.load_data(packed_cfg)
+  again.iterator.set_state(state)
+  for batch in want:
+    got = next(again.iterator)
+    for key in batch:
+      np.testing.assert_array_equal(got[key], batch[key])
+
+
+def test_prepared_packed_pairs_are_the_startup_rows(tmp_path):
+  """The prepared kind packs a preference split's pairs as start-up does, row for row."""
+  from nnx_zoo.common.data import pipeline, prepare, prepared, tokenizers
+
+  rng = np.random.default_rng(0)
+  words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 6)) for _ in range(30)]
+  _echo_pairs(tmp_path / "train.jsonl", words[:24])
+  _echo_pairs(tmp_path / "eval.jsonl", words[24:])
+  over = {"data.kind": "files", "data.train_files": str(tmp_path / "train.jsonl")}
+  over.update({"data.eval_files": str(tmp_path / "eval.jsonl"), "data.eval_plays": ""})
+  over.update({"data.pairs_per_row": "packed", "train.batch_size": "2"})
+  cfg = experiments.get_config("chat/shakespeare-dialogue-dpo:smoke", over)
+  prepare.prepare(cfg.data, str(tmp_path / "prepared"), workers=1, progress=False)
+  tokenizer = tokenizers.load(cfg.data.tokenizer)
+  run = experiments.get_config(
+    "chat/shakespeare-dialogue-dpo:smoke",
+    {**over, "data.kind": "prepared", "data.path": str(tmp_path / "prepared")},
+  )
+  data = trainer.load_data(run)
+  train = prepared.PairRows(
+    prepared.Split(str(tmp_path / "prepared"), "train"), 129, pairs_per_row="packed"
+  )
+  for split, rows in (("train", train), ("eval", data.eval)):
+    startup = pipeline.load_split(cfg.data, split, tokenizer).packed
+    got = rows.read(np.arange(len(rows)))
+    assert len(startup["tokens"]) < (24 if split == "train" else 6)  # packed at all
+    for key in ("tokens", "segment_ids", "loss_weights"):
+      np.testing.assert_array_equal(got[key], startup[key])
+
+
+@pytest.mark.slow
+def test_packed_pairs_train_and_resume_exactly(tmp_path, monkeypatch):
+  """A LoRA dpo run on packed pairs trains (the reference per pair slot, the held-out sums),
+  and killed in step 3 (after the step-2 checkpoint) and rerun, it logs the losses of a run
+  straight through, bit for bit."""
+  from nnx_zoo.common.train import metrics
+
+  rng = np.random.default_rng(0)
+  words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 6)) for _ in range(40)]
+  _echo_pairs(tmp_path / "train.jsonl", words[:32])
+  _echo_pairs(tmp_path / "eval.jsonl", words[32:])
+  over = {"data.kind": "files", "data.train_files": str(tmp_path / "train.jsonl")}
+  over.update({"data.eval_files": str(tmp_path / "eval.jsonl"), "data.rejected": ""})
+  over.update({"data.pairs_per_row": "packed", "train.checkpoint_every": "2"})
+  cfg = experiments.get_config("chat/smollm2-shakespeare-dpo:smoke", over)
+
+  def logged(workdir):
+    with open(tmp_path / workdir / "metrics.jsonl") as f:
+      return [r for r in map(json.loads, f)]
+
+  trainer.train(cfg, str(tmp_path / "straight"), progress=False)
+  write = metrics.MetricsLog.write
+
+  def crashing_write(self, step, values, split="train"):
+    if step == 3:
+      raise KeyboardInterrupt
+    write(self, step, values, split)
+
+  with monkeypatch.context() as m:
+    m.setattr(metrics.MetricsLog, "write", crashing_write)
+    with pytest.raises(KeyboardInterrupt):
+      trainer.train(cfg, str(tmp_path / "resumed"), progress=False)
+  trainer.train(cfg, str(tmp_path / "resumed"), progress=False)
+  train = lambda rs: {r["step"]: r["loss"] for r in rs if r.get("split") != "eval"}  # noqa: E731
+  assert train(logged("resumed")) == train(logged("straight"))
+  held_out = [r for r in logged("straight") if r.get("split") == "eval"][-1]
+  assert held_out["pairs"] == 8 and np.isfinite(held_out["loss"])
