@@ -407,9 +407,11 @@ def run(
   cfg = read_config(workdir)
   manager = TaskManager(include_path=include_path)
   names = check_tasks(manager, tasks)
-  lm = load_lm(workdir, batch_size=batch_size, cfg=cfg)
   if apply_chat_template:
-    lm._template()  # a model without a chat template: refused before any request
+    from nnx_zoo.common.data import chat
+
+    chat.template(cfg.data)  # a model without a chat template: refused before it is loaded
+  lm = load_lm(workdir, batch_size=batch_size, cfg=cfg)
   results = lm_eval.simple_evaluate(
     model=lm,
     tasks=names,

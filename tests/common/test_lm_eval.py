@@ -309,6 +309,7 @@ def test_apply_chat_template_equals_hf(chat_dirs):
       assert zoo_greedy == hf_greedy
 
 
+@pytest.mark.slow
 def test_apply_chat_template_without_a_template_is_refused(dirs, tmp_path, capsys):
   out = tmp_path / "results.json"
   argv = ["lm-eval", "--workdir", dirs["zoo"], "--tasks", "zoo_mc", "--apply-chat-template"]
