@@ -1,7 +1,8 @@
-"""Sampling from a decoder with its KV cache: one compiled prefill, then a compiled scan over the
-new tokens (no Python per token). Greedy, temperature, top-k and top-p. An encoder-decoder (T5,
-Whisper) runs its encoder once on its input, then decodes the same way after a forced decoder
-prompt, with tokens it may not write (`generate_seq2seq`)."""
+"""Sampling from a decoder with its KV cache: one loop for every caller (`begin`, then `decode`
+in resumable chunks; docs/sampling.md), over ragged prompts, stopping at stop ids, with no
+Python per token. Greedy, temperature, top-k and top-p. An encoder-decoder (T5, Whisper) runs
+its encoder once on its input, then decodes after a forced decoder prompt, with tokens it may
+not write (`generate_seq2seq`)."""
 
 import dataclasses
 import functools
