@@ -30,8 +30,9 @@ zoo data bench EXP                                # the pipeline's tokens/s besi
 zoo convert hf SRC_DIR --out DIR [--param-dtype float32]  # Hugging Face dir -> zoo checkpoint
 zoo export hf --workdir DIR --out DIR             # zoo checkpoint -> Hugging Face dir
 zoo lm-eval --workdir DIR --tasks T1,T2 [--include-path DIR] [--num-fewshot K] [--limit N]
-             [--batch-size B] [--output-path F]   # EleutherAI's lm-evaluation-harness on a
-             decoder (its table; its results JSON in F, default DIR/lm_eval/results.json)
+             [--batch-size B] [--output-path F] [--apply-chat-template]   # EleutherAI's
+             lm-evaluation-harness on a decoder (its table; its results JSON in F, default
+             DIR/lm_eval/results.json; prompts in the model's chat template if asked)
 zoo convert gguf FILE.gguf --out DIR [--param-dtype float32]  # llama.cpp file -> zoo checkpoint
 zoo export gguf --workdir DIR --out FILE.gguf [--type f32|f16|bf16|q8_0]  # -> llama.cpp file
 
@@ -156,6 +157,11 @@ def parser() -> argparse.ArgumentParser:
   harness.add_argument("--limit", type=float, help="items per task (a fraction if below 1)")
   harness.add_argument("--batch-size", type=int, default=16)
   harness.add_argument("--output-path", help="the results JSON (DIR/lm_eval/results.json)")
+  harness.add_argument(
+    "--apply-chat-template",
+    action="store_true",
+    help="render each prompt with the model's chat template (lm-eval's --apply_chat_template)",
+  )
   return p
 
 
@@ -374,6 +380,7 @@ def cmd_lm_eval(args, _overrides):
     limit=args.limit,
     batch_size=args.batch_size,
     output_path=args.output_path,
+    apply_chat_template=args.apply_chat_template,
   )
 
 

@@ -3,6 +3,7 @@
 compiles a handful of programs; it scores as lm-eval's `hf` backend does (same tokenization,
 windows, truncation and stop strings), to 1e-4 on the same weights."""
 
+import dataclasses
 import difflib
 import functools
 import json
@@ -15,6 +16,7 @@ from flax import nnx
 
 from nnx_zoo.common import sampling
 from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.sampling import bucket, bucket_below  # noqa: F401 (lm-eval's buckets)
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's, for a model whose config names no context length
 DECODE_STEPS = 16  # greedy steps per compiled call; stop strings are checked between calls
@@ -30,27 +32,10 @@ def _import_lm_eval():
   return lm_eval
 
 
-def bucket(n: int, *, minimum: int = 16) -> int:
-  """The padded length for `n` tokens: the next of 16, 24, 32, 48, 64, 96, ... (powers of two
-  and 1.5x them, so a row wastes at most a third)."""
-  size = minimum
-  while size < n:
-    size = size * 3 // 2 if size & (size - 1) == 0 else size // 3 * 4
-  return size
-
-
 def batch_rows(n: int, batch_size: int) -> int:
   """The rows of a batch holding `n` requests: the next power of two, at most `batch_size` (a
   task's last, short batch compiles a smaller program rather than computing empty rows)."""
   return min(batch_size, 1 << max(n - 1, 0).bit_length())
-
-
-def bucket_below(n: int) -> int:
-  """The largest bucket length at most `n` (0 below 16): a prefill a batch's rows all fill."""
-  size, below = 16, 0
-  while size <= n:
-    size, below = bucket(size + 1), size
-  return below
 
 
 # --- the compiled programs: one per (batch, bucket) shape ---
@@ -67,37 +52,9 @@ def _score(params, tokens_BT, targets_BT, mask_BT, *, graphdef):
   return jnp.sum(jnp.where(mask_BT, logp_BT, 0.0), axis=1), jnp.all(greedy_BT | ~mask_BT, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "prefill"))
-def _prefill(params, buffer_BS, *, graphdef, prefill):
-  """A KV cache of the buffer's length holding its first `prefill` tokens (every row's prompt
-  is at least that long, so no row attends to padding)."""
-  model = nnx.merge(graphdef, params)
-  cache = model.init_cache(buffer_BS.shape[0], buffer_BS.shape[1])
-  if prefill:
-    _, cache = model(buffer_BS[:, :prefill], cache=cache)
-  return cache
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("cache",))
-def _decode(params, buffer_BS, lengths_B, cache, t, *, graphdef, steps):
-  """`steps` greedy steps from position `t`: each feeds buffer[:, t] and writes its argmax at
-  t + 1 where that is past the row's prompt (a row still in its prompt is fed the prompt's next
-  token). Rows of different prompt lengths share the cache's one index and stay exact: each
-  row's prompt starts at 0 and it never sees its right padding."""
-  model = nnx.merge(graphdef, params)
-  greedy = functools.partial(sampling.sample_logits, temperature=0.0, top_k=0, top_p=1.0)
-
-  def step(_, carry):
-    buffer_BS, cache, t = carry
-    token_B = jax.lax.dynamic_index_in_dim(buffer_BS, t, axis=1, keepdims=False)
-    logits_B1V, cache = model(token_B[:, None], cache=cache)
-    next_B = greedy(logits_B1V[:, 0], None).astype(buffer_BS.dtype)
-    old_B = jax.lax.dynamic_index_in_dim(buffer_BS, t + 1, axis=1, keepdims=False)
-    new_B = jnp.where(t + 1 >= lengths_B, next_B, old_B)
-    buffer_BS = jax.lax.dynamic_update_index_in_dim(buffer_BS, new_B, t + 1, axis=1)
-    return buffer_BS, cache, t + 1
-
-  return jax.lax.fori_loop(0, steps, step, (buffer_BS, cache, t))
+# Generation is sampling's one loop (`sampling.begin`, then `sampling.decode` DECODE_STEPS steps a
+# call); bench/lm_eval_vs_hf.py counts its programs by this name.
+_decode = sampling.decode
 
 
 # --- the lm-eval model ---
@@ -121,11 +78,48 @@ def _lm_class():
     of `max_length`), left-truncated to `max_length`. Generation is greedy with the KV cache,
     cut at the end token and then at the `until` strings."""
 
-    def __init__(self, graphdef, params, tokenizer, *, max_length, batch_size, prefix_id, eos_ids):
+    def __init__(
+      self, graphdef, params, tokenizer, *, max_length, batch_size, prefix_id, eos_ids,
+      template=None, name="nnx-zoo",
+    ):  # fmt: skip
       super().__init__()
       self.graphdef, self.params, self.tok = graphdef, params, tokenizer
       self._max_length, self._batch_size = max_length, batch_size
       self._prefix_id, self.eos_ids = prefix_id, tuple(eos_ids)
+      self._template, self._name = template, name  # template: a callable giving chat.Template
+
+    # chat templates (lm-eval's --apply_chat_template): rendered as the hf backend renders them,
+    # by transformers' own renderer with the tokenizer's special tokens
+
+    @property
+    def tokenizer_name(self) -> str:
+      return self._name
+
+    def chat_template(self, chat_template=False) -> str:
+      return self._template().source if chat_template and self._template else ""
+
+    def apply_chat_template(self, chat_history, add_generation_prompt=True) -> str:
+      import jinja2
+      from transformers.utils.chat_template_utils import render_jinja_template
+
+      if self._template is None:
+        raise UserError("This model has no chat template: run lm-eval without it.")
+      template = self._template()
+
+      def render(messages):
+        texts, _ = render_jinja_template(
+          [messages],
+          chat_template=template.source,
+          add_generation_prompt=add_generation_prompt,
+          continue_final_message=not add_generation_prompt,
+          **dict(template.special),
+        )
+        return texts[0]
+
+      try:
+        return render(chat_history)
+      except jinja2.exceptions.TemplateError:  # as the hf backend: again without the system turn
+        return render([m for m in chat_history if m["role"] != "system"])
 
     @property
     def max_length(self) -> int:
@@ -253,30 +247,30 @@ def _lm_class():
       return out
 
     def _generate(self, prompts, max_new, until):
-      """Greedy continuations of token lists `prompts`, each decoded and cut at `until`."""
+      """Greedy continuations of token lists `prompts`, each decoded and cut at `until`: the
+      sampler's one loop, DECODE_STEPS steps a call, a row stopping at an end token on the
+      device and at a stop string here, between calls."""
       B = batch_rows(len(prompts), self._batch_size)
       shortest = min(len(p) for p in prompts)
       lengths = [len(p) for p in prompts] + [shortest] * (B - len(prompts))  # empty rows
-      S = bucket(max(lengths) + max_new + DECODE_STEPS)
-      buffer_BS = np.zeros((B, S), np.int32)
+      prompt_BP = np.zeros((B, bucket(max(lengths))), np.int32)
       for b, prompt in enumerate(prompts):
-        buffer_BS[b, : len(prompt)] = prompt
-      # Prefill what every row holds (but its last prompt token: the steps feed that one).
-      t = bucket_below(min(lengths) - 1)
-      cache = _prefill(self.params, buffer_BS, graphdef=self.graphdef, prefill=t)
-      lengths_B = np.asarray(lengths, np.int32)
-      buffer_BS, t = jnp.asarray(buffer_BS), jnp.asarray(t, jnp.int32)
-      done = [False] * len(prompts)
-      while not all(done):
-        buffer_BS, cache, t = _decode(
-          self.params, buffer_BS, lengths_B, cache, t, graphdef=self.graphdef, steps=DECODE_STEPS
-        )
-        host, position = np.asarray(buffer_BS), int(t)
+        prompt_BP[b, : len(prompt)] = prompt
+      keys = jax.random.split(jax.random.key(0), B)  # greedy: not read
+      state = sampling.begin(
+        self.params, prompt_BP, np.asarray(lengths, np.int32), keys, graphdef=self.graphdef,
+        prefill=max(bucket_below(shortest), 1), max_new_tokens=max_new,
+      )  # fmt: skip
+      greedy = dict(temperature=0.0, stop_ids=sampling.stop_tuple(self.eos_ids))
+      while True:
+        state = _decode(self.params, state, graphdef=self.graphdef, steps=DECODE_STEPS, **greedy)
+        host, done, t = np.asarray(state.tokens_BL), np.array(state.done_B), int(state.t)
         for b, n in enumerate(lengths[: len(prompts)]):
-          new = self._cut(host[b, n : min(position + 1, n + max_new)])
-          full = len(new) == max_new or position + 1 >= n + max_new
-          done[b] = full or len(new) < position + 1 - n or self._stops(new, until)
-      host = np.asarray(buffer_BS)
+          done[b] |= self._stops(self._cut(host[b, n:t]), until)
+        done[len(prompts) :] = True
+        if done.all():
+          break
+        state = dataclasses.replace(state, done_B=jnp.asarray(done))
       return [
         lm_utils.postprocess_generated_text(
           self.tok.decode(self._cut(host[b, n : n + max_new])), stop=until, think_end_token=None
@@ -371,6 +365,8 @@ def load_lm(workdir: str, *, batch_size: int = 16, cfg=None):
   bos = tokenizers.special_tokens(cfg.data.tokenizer).get("bos_token")
   hf = getattr(tokenizer, "tok", None)  # a Hugging Face tokenizer's BOS, as hf's prefix token
   bos_id = hf.token_to_id(bos) if hf is not None and bos else None
+  from nnx_zoo.common.data import chat
+
   graphdef, params, _ = weights.restore_params(cfg, workdir)
   return _lm_class()(
     graphdef,
@@ -380,6 +376,8 @@ def load_lm(workdir: str, *, batch_size: int = 16, cfg=None):
     batch_size=batch_size,
     prefix_id=bos_id if bos_id is not None else tokenizer.eos_id,
     eos_ids=_eos_ids(cfg, workdir, tokenizer),
+    template=functools.cache(lambda: chat.template(cfg.data)),  # read if a chat template is asked
+    name=os.path.abspath(workdir).replace("/", "__"),
   )
 
 
@@ -392,9 +390,12 @@ def run(
   limit: float | None = None,
   batch_size: int = 16,
   output_path: str | None = None,
+  apply_chat_template: bool = False,
 ) -> dict:
-  """Evaluates the workdir's model on lm-eval `tasks`; prints lm-eval's table and writes its
-  results JSON to `output_path` (default WORKDIR/lm_eval/results.json). Returns the results."""
+  """Evaluates the workdir's model on lm-eval `tasks` (each prompt rendered with the model's chat
+  template if `apply_chat_template`, as lm-eval's --apply_chat_template does); prints lm-eval's
+  table and writes its results JSON to `output_path` (default WORKDIR/lm_eval/results.json).
+  Returns the results."""
   lm_eval = _import_lm_eval()
   from lm_eval.tasks import TaskManager
   from lm_eval.utils import handle_non_serializable, make_table
@@ -406,6 +407,10 @@ def run(
   cfg = read_config(workdir)
   manager = TaskManager(include_path=include_path)
   names = check_tasks(manager, tasks)
+  if apply_chat_template:
+    from nnx_zoo.common.data import chat
+
+    chat.template(cfg.data)  # a model without a chat template: refused before it is loaded
   lm = load_lm(workdir, batch_size=batch_size, cfg=cfg)
   results = lm_eval.simple_evaluate(
     model=lm,
@@ -414,6 +419,7 @@ def run(
     limit=limit,
     task_manager=manager,
     log_samples=False,
+    apply_chat_template=apply_chat_template,
   )
   results["config"].update(model="nnx-zoo", model_args=f"workdir={os.path.abspath(workdir)}")
   print(make_table(results))

@@ -1,8 +1,10 @@
-"""Sampling from a decoder with its KV cache: one compiled prefill, then a compiled scan over the
-new tokens (no Python per token). Greedy, temperature, top-k and top-p. An encoder-decoder (T5,
-Whisper) runs its encoder once on its input, then decodes the same way after a forced decoder
-prompt, with tokens it may not write (`generate_seq2seq`)."""
+"""Sampling from a decoder with its KV cache: one loop for every caller (`begin`, then `decode`
+in resumable chunks; docs/sampling.md), over ragged prompts, stopping at stop ids, with no
+Python per token. Greedy, temperature, top-k and top-p. An encoder-decoder (T5, Whisper) runs
+its encoder once on its input, then decodes after a forced decoder prompt, with tokens it may
+not write (`generate_seq2seq`)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -36,66 +38,154 @@ def sample_logits(
   return jax.random.categorical(rng, logits_BV, axis=-1)
 
 
-# Prompts are padded up to a multiple of this many tokens before the prefill: prompts of nearby
-# lengths share one compiled program (and its copy in the persistent compilation cache).
+# A prompt is padded to its bucket (`bucket` from this many tokens: 64, 96, 128, 192, ...) before
+# the prefill: prompts of nearby lengths share one compiled program (and its copy in the
+# persistent compilation cache).
 PROMPT_BUCKET = 64
 
 
+# --- the one sampling loop ---
+#
+# Every caller samples through `begin` and `decode`: `generate` (zoo generate, zoo chat),
+# `continue_rows` (GRPO's rollouts, DPO's on-policy replies), lm-eval's generate_until. Rows are
+# ragged: row b's prompt is its first lengths_B[b] tokens, left-aligned. `begin` runs one prefill
+# over the first `prefill` tokens and rewinds the cache to the shortest prompt; from there every
+# step writes one token a row at the cache's one index t, the row's own prompt token while it
+# lasts (forced) and a sampled one after. Row b's token at t is drawn with fold_in(keys_B[b], t):
+# a row's tokens depend on its prompt and key only, not on the rows beside it, the padding, or
+# how the steps were split into calls. A row stops at its first token of `stop_ids` after its
+# prompt, or with its max_new_tokens; after that it holds the first stop id (0 without one).
+# `decode` runs at most `steps` steps and returns the state, which a later call continues: the
+# host checks what only it can (lm-eval's stop strings) between calls and may mark rows done.
+
+
+def bucket(n: int, *, minimum: int = 16) -> int:
+  """The padded length for `n` tokens: the next of minimum, 1.5x, 2x, 3x, 4x, ... of it (powers
+  of two and 1.5x them from 16: 16, 24, 32, 48, 64, 96, ...), so a row wastes at most a third
+  and a range of lengths compiles a few programs."""
+  size = minimum
+  while size < n:
+    size = size * 3 // 2 if size & (size - 1) == 0 else size // 3 * 4
+  return size
+
+
+def bucket_below(n: int, *, minimum: int = 16) -> int:
+  """The largest bucket length at most `n` (0 below `minimum`): a prefill a batch's rows all
+  fill."""
+  size, below = minimum, 0
+  while size <= n:
+    size, below = bucket(size + 1, minimum=minimum), size
+  return below
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class State:
+  """Where the loop is: tokens_BL (each row's prompt, then what it has written), the prompts'
+  lengths, each row's end (its length plus max_new_tokens), the KV cache, the logits of the
+  last token fed, the next position t, which rows are done, and each row's key."""
+
+  tokens_BL: jax.Array
+  lengths_B: jax.Array
+  limits_B: jax.Array
+  cache: list
+  logits_BV: jax.Array
+  t: jax.Array
+  done_B: jax.Array
+  keys_B: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prefill", "max_new_tokens"))
+def begin(params, prompt_BP, lengths_B, keys_B, *, graphdef, prefill: int, max_new_tokens: int):
+  """The loop's state for ragged prompts (row b: the first lengths_B[b] tokens of prompt_BP,
+  at least 1) to be continued by up to `max_new_tokens` tokens: room for P + max_new_tokens
+  tokens a row, and the first `prefill` tokens (1 to P; static: one program per value) run as
+  one prefill. The cache is rewound to the shortest prompt: a causal model's logits there never
+  saw what lies after, and the steps overwrite it."""
+  model = nnx.merge(graphdef, params)
+  B, P = prompt_BP.shape
+  tokens_BL = jnp.pad(jnp.asarray(prompt_BP, jnp.int32), ((0, 0), (0, max_new_tokens)))
+  lengths_B = jnp.asarray(lengths_B, jnp.int32)
+  cache = model.init_cache(B, P + max_new_tokens)
+  logits_BKV, cache = model(tokens_BL[:, :prefill], cache=cache)
+  # The shortest prompt (a row of length 0 is padding: nothing of it is read).
+  start = jnp.minimum(jnp.min(jnp.where(lengths_B > 0, lengths_B, prefill)), prefill)
+  cache = [c.rewound(start) for c in cache]
+  logits_BV = jax.lax.dynamic_index_in_dim(logits_BKV, start - 1, axis=1, keepdims=False)
+  return State(
+    tokens_BL=tokens_BL,
+    lengths_B=lengths_B,
+    limits_B=lengths_B + max_new_tokens,
+    cache=cache,
+    logits_BV=logits_BV,
+    t=start,
+    done_B=jnp.zeros((B,), bool),
+    keys_B=keys_B,
+  )
+
+
 @functools.partial(
   jax.jit,
-  static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p", "stop_ids"),
+  static_argnames=("graphdef", "steps", "temperature", "top_k", "top_p", "stop_ids"),
+  donate_argnames=("state",),
 )
-def _generate(
-  params, prompt_BL, length, rng, *, graphdef, max_new_tokens, temperature, top_k, top_p, stop_ids
-):
-  """[B, max_new_tokens] new tokens after the first `length` tokens of `prompt_BL` (the rest is
-  padding). The prefill runs over the padded prompt, and the cache is rewound to `length`: a
-  causal model's logits at `length - 1` never saw the padding, and the new tokens overwrite it.
-  A row stops at its first token of `stop_ids`, filled with the first stop id after it; the loop
-  ends when every row has stopped."""
+def decode(
+  params,
+  state: State,
+  *,
+  graphdef,
+  steps: int,
+  temperature: float,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  stop_ids: tuple[int, ...] = (),
+) -> State:
+  """The state after at most `steps` more steps (fewer once every row is done, or the rows are
+  full): the one loop every sampler runs. `stop_ids` as `stop_tuple` gives them."""
   model = nnx.merge(graphdef, params)
-  B, L = prompt_BL.shape
-  sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-  cache = model.init_cache(B, L + max_new_tokens)
-  logits_BLV, cache = model(prompt_BL, cache=cache)
-  cache = [c.rewound(length) for c in cache]
-  rng, first_rng = jax.random.split(rng)
-  first_B = sample(logits_BLV[:, length - 1], first_rng).astype(jnp.int32)
-  step_rngs = jax.random.split(rng, max(max_new_tokens - 1, 1))
+  options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
   stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
-  fill = stops[0]
+  fill = jnp.int32(stop_ids[0] if stop_ids else 0)
+  L = state.tokens_BL.shape[1]
+  end = jnp.minimum(jnp.max(state.limits_B), L)
+
+  def one(logits_V, key):
+    return sample_logits(logits_V[None], key, **options)[0]
 
   def cond(carry):
-    t, _, _, _, done_B = carry
-    return (t < max_new_tokens) & ~jnp.all(done_B)
+    i, s = carry
+    return (i < steps) & (s.t < end) & ~jnp.all(s.done_B)
 
   def body(carry):
-    t, token_B, cache, out_BN, done_B = carry
-    out_BN = out_BN.at[:, t].set(token_B)
-    done_B = done_B | jnp.isin(token_B, stops)
-    logits_B1V, cache = model(token_B[:, None], cache=cache)
-    next_B = sample(logits_B1V[:, 0], step_rngs[jnp.minimum(t, max_new_tokens - 2)])
-    next_B = jnp.where(done_B, fill, next_B.astype(jnp.int32))
-    return t + 1, next_B, cache, out_BN, done_B
+    i, s = carry
+    t = s.t
+    keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(s.keys_B, t)
+    sampled_B = jax.vmap(one)(s.logits_BV, keys_B).astype(jnp.int32)
+    prompt_B = jax.lax.dynamic_index_in_dim(s.tokens_BL, t, axis=1, keepdims=False)
+    token_B = jnp.where(t < s.lengths_B, prompt_B, sampled_B)  # the prompt's, while it lasts
+    token_B = jnp.where(s.done_B, fill, token_B)
+    tokens_BL = jax.lax.dynamic_update_index_in_dim(s.tokens_BL, token_B, t, axis=1)
+    stopped_B = (t >= s.lengths_B) & jnp.isin(token_B, stops)
+    done_B = s.done_B | stopped_B | (t + 1 >= s.limits_B)
+    logits_B1V, cache = model(token_B[:, None], cache=s.cache)  # the last one is not needed
+    s = dataclasses.replace(
+      s, tokens_BL=tokens_BL, cache=cache, logits_BV=logits_B1V[:, 0], t=t + 1, done_B=done_B
+    )
+    return i + 1, s
 
-  out_BN = jnp.full((B, max_new_tokens), fill, jnp.int32)
-  done_B = jnp.zeros((B,), bool)
-  carry = (jnp.int32(0), first_B, cache, out_BN, done_B)
-  return jax.lax.while_loop(cond, body, carry)[3]
+  return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
 
-@functools.partial(
-  jax.jit,
-  static_argnames=(
-    "graphdef",
-    "prefill",
-    "max_new_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "stop_ids",
-  ),
-)
+def stop_tuple(stop_ids) -> tuple[int, ...]:
+  """Stop ids as `decode` takes them (a static argument): sorted, once each, None and negative
+  ids dropped."""
+  return tuple(sorted({int(i) for i in stop_ids if i is not None and i >= 0}))
+
+
+# `generate`'s program is `begin` and then `decode`; tests count its programs by this name.
+_generate = decode
+
+
 def continue_rows(
   params,
   prompt_BP,
@@ -110,48 +200,22 @@ def continue_rows(
   top_p: float = 1.0,
   stop_ids: tuple[int, ...] = (),
 ):
-  """Rows of prompts of different lengths continued in one compiled call (GRPO's rollouts):
-  [B, P + max_new_tokens], row b its prompt (the first `lengths_B[b]` tokens of `prompt_BP`,
-  left-aligned, every row at least `prefill` long) and then sampled tokens. The first `prefill`
-  tokens run as one prefill; from there a loop writes one token a step, the prompt's own while
-  it lasts (forced) and a sampled one after, so a short prompt gets more than max_new_tokens
-  (its caller keeps the first max_new_tokens). Row b's token at index t is drawn with
-  fold_in(keys_B[b], t): a row's tokens depend on its key and its prompt only, not on the rows
-  beside it or the mesh. The loop ends with the longest prompt's max_new_tokens, or before once
-  every row has sampled one of `stop_ids` (single-token ends of turn); what a row holds after
-  its stop, or after its first max_new_tokens, is undefined."""
-  model = nnx.merge(graphdef, params)
-  B, P = prompt_BP.shape
-  L = P + max_new_tokens
-  prompt_BL = jnp.pad(prompt_BP, ((0, 0), (0, max_new_tokens)))
-  options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-  stops = jnp.asarray(stop_ids or (-1,), prompt_BL.dtype)
-
-  def draw(logits_BV, t):
-    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, t)
-    one = lambda logits_V, key: sample_logits(logits_V[None], key, **options)[0]  # noqa: E731
-    sampled_B = jax.vmap(one)(logits_BV, keys).astype(prompt_BL.dtype)
-    return jnp.where(t < lengths_B, prompt_BL[:, t], sampled_B)  # the prompt's, while it lasts
-
-  cache = model.init_cache(B, L)
-  logits_BPV, cache = model(prompt_BL[:, :prefill], cache=cache)
-
-  end = jnp.minimum(jnp.max(lengths_B) + max_new_tokens, L)  # the longest prompt's last token
-
-  def cond(carry):
-    t, _, _, _, done_B = carry
-    return (t < end) & ~jnp.all(done_B)
-
-  def body(carry):
-    t, buffer_BL, logits_BV, cache, done_B = carry
-    token_B = draw(logits_BV, t)
-    buffer_BL = buffer_BL.at[:, t].set(token_B)
-    done_B = done_B | ((t >= lengths_B) & jnp.isin(token_B, stops))
-    logits_B1V, cache = model(token_B[:, None], cache=cache)  # the last one is not needed
-    return t + 1, buffer_BL, logits_B1V[:, 0], cache, done_B
-
-  carry = (jnp.int32(prefill), prompt_BL, logits_BPV[:, -1], cache, jnp.zeros((B,), bool))
-  return jax.lax.while_loop(cond, body, carry)[1]
+  """Rows of prompts of different lengths continued in one call (`begin`, then `decode` to the
+  end): [B, P + max_new_tokens], row b its prompt (the first `lengths_B[b]` tokens of
+  `prompt_BP`, every row at least `prefill` long) and then its max_new_tokens sampled tokens,
+  row b's token at index t drawn with fold_in(keys_B[b], t). A row stops at one of `stop_ids`
+  (single-token ends of turn); what a row holds after its stop, or after its max_new_tokens, is
+  the first stop id (0 without one)."""
+  state = begin(
+    params, prompt_BP, lengths_B, keys_B, graphdef=graphdef, prefill=prefill,
+    max_new_tokens=max_new_tokens,
+  )  # fmt: skip
+  options = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+  state = decode(
+    params, state, graphdef=graphdef, steps=max_new_tokens + prompt_BP.shape[1] - prefill,
+    stop_ids=stop_tuple(stop_ids), **options,
+  )  # fmt: skip
+  return state.tokens_BL
 
 
 def _split(model_or_split, *, seq2seq: bool):
@@ -188,16 +252,18 @@ def generate(
 ) -> jax.Array:
   """The prompt followed by `max_new_tokens` sampled tokens: [B, P + max_new_tokens]. A row that
   writes one of `stop_ids` (an end-of-turn token) stops there, the rest of it filled with the
-  first stop id, and decoding ends once every row has stopped."""
+  first stop id, and decoding ends once every row has stopped. Row b samples with the key
+  split(rng, B)[b] (the one loop's rule: fold_in(its key, t) for the token at t)."""
   if max_new_tokens < 1:
     return jnp.asarray(prompt_BP, jnp.int32)
   prompt_BP = np.asarray(prompt_BP, np.int32)  # padded and joined on the host: no eager programs
   B, P = prompt_BP.shape
-  padded_BL = np.pad(prompt_BP, ((0, 0), (0, -P % PROMPT_BUCKET)))
+  padded_BW = np.pad(prompt_BP, ((0, 0), (0, bucket(P, minimum=PROMPT_BUCKET) - P)))
   options = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids)
   program, params, key = _program(model_or_split, B, P, max_new_tokens, rng, **options)
-  new_BN = program(jax.tree.leaves(params), padded_BL, np.int32(P), key)
-  return jnp.asarray(np.concatenate([prompt_BP, np.asarray(new_BN)], axis=1))
+  tokens_BL = program(jax.tree.leaves(params), padded_BW, np.full(B, P, np.int32), key)
+  new_BN = np.asarray(tokens_BL)[:, P : P + max_new_tokens]
+  return jnp.asarray(np.concatenate([prompt_BP, new_BN], axis=1))
 
 
 def prepare(
@@ -213,39 +279,46 @@ def prepare(
   stop_ids: tuple[int, ...] = (),
 ):
   """Ready `generate`'s program for `batch` prompts of `prompt_len` tokens (any length in its
-  bucket of PROMPT_BUCKET) and these options: loaded from the persistent compilation cache, or
-  traced and compiled. The params may be abstract (`jax.ShapeDtypeStruct`s): a caller readies
-  the program while they are restored. Without a persistent cache, nothing is done."""
+  bucket) and these options: loaded from the persistent compilation cache, or traced and
+  compiled. The params may be abstract (`jax.ShapeDtypeStruct`s): a caller readies the program
+  while they are restored. Without a persistent cache, nothing is done."""
   if max_new_tokens >= 1:
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids)
     _program(model_or_split, batch, prompt_len, max_new_tokens, rng, **options)
 
 
 def _program(model_or_split, B, P, max_new_tokens, rng, *, temperature, top_k, top_p, stop_ids):
-  """`generate`'s program for [B, P] prompts, traced once across processes where a persistent
-  compilation cache is on (common/programs.py), with the params and the key as it takes them:
-  its arguments are arrays, the params as their leaves and the key as its data."""
+  """`generate`'s program for [B, P] prompts (`begin` over the prompt's bucket, then `decode`
+  for max_new_tokens steps), traced once across processes where a persistent compilation cache
+  is on (common/programs.py), with the params and the key as it takes them: its arguments are
+  arrays, the params as their leaves and the key as its data."""
   graphdef, params = _split(model_or_split, seq2seq=False)
+  options = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
   static = dict(
-    graphdef=graphdef,
-    max_new_tokens=max_new_tokens,
-    temperature=float(temperature),
-    top_k=int(top_k),
-    top_p=float(top_p),
-    stop_ids=tuple(sorted({int(i) for i in stop_ids if i is not None and i >= 0})),
+    graphdef=graphdef, max_new_tokens=max_new_tokens, stop_ids=stop_tuple(stop_ids), **options
   )
   leaves, treedef = jax.tree.flatten(params)
   typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
   impl = jax.random.key_impl(rng) if typed else None
+  W = bucket(P, minimum=PROMPT_BUCKET)
 
-  def run(leaves, padded_BL, length, key):
+  def run(leaves, padded_BW, lengths_B, key):
     key = jax.random.wrap_key_data(key, impl=impl) if typed else key
-    return _generate(jax.tree.unflatten(treedef, leaves), padded_BL, length, key, **static)
+    params = jax.tree.unflatten(treedef, leaves)
+    keys_B = jax.random.split(key, B)
+    state = begin(
+      params, padded_BW, lengths_B, keys_B, graphdef=graphdef, prefill=W,
+      max_new_tokens=max_new_tokens,
+    )  # fmt: skip
+    state = decode(
+      params, state, graphdef=graphdef, steps=max_new_tokens, stop_ids=static["stop_ids"],
+      **options,
+    )  # fmt: skip
+    return state.tokens_BL
 
   key = jax.random.key_data(rng) if typed else rng
   shape = jax.ShapeDtypeStruct
-  L = P + -P % PROMPT_BUCKET
-  args = (leaves, shape((B, L), jnp.int32), shape((), jnp.int32), shape(key.shape, key.dtype))
+  args = (leaves, shape((B, W), jnp.int32), shape((B,), jnp.int32), shape(key.shape, key.dtype))
   return programs.load("generate", run, args, static=(static, treedef, impl)), params, key
 
 

@@ -41,9 +41,15 @@ Where this differs from TRL:
   by the run's seed and the prompt's place in the stream, saved with the iterator), and completion
   g of a prompt samples token t with fold_in(fold_in(key(seed), g), t): a resumed run draws the
   same rollouts, bit for bit, and no completion depends on the rows beside it or the mesh.
-- The prompts' rollouts are sampled at fixed shapes (prompts left-aligned in data.seq_len tokens,
-  max_new_tokens after each), so the sampler compiles once; its loop ends when every row has
-  written a one-token end of turn, else with the longest prompt's max_new_tokens.
+- A step's rows are as long as its longest prompt, padded to the sampler's bucket
+  (`sampling.bucket` from PROMPT_BUCKET tokens: 64, 96, 128, 192, ...; data.seq_len only caps
+  it), plus max_new_tokens: short prompts do not pay for data.seq_len (SmolLM2 at seq_len=256 on
+  40-token prompts computes rows of 96 tokens, not 288). The sampler and the step compile once
+  per bucket a run meets; `batch_shapes` (what `zoo plan` and the memory check compile) is the
+  largest, data.seq_len + max_new_tokens. The sampler's loop (sampling's one loop) ends when
+  every row has written a one-token end of turn, else with the longest prompt's
+  max_new_tokens. A row's tokens do not depend on its padding: the same rollouts, the same
+  loss, at any bucket.
 - TRL's `reward_std` is the mean of the groups' stds; here it is the std over the step's
   completions (`tied_groups`: the share of groups whose rewards all tie, TRL's
   frac_reward_zero_std).
@@ -132,6 +138,12 @@ def end_of(new: np.ndarray, stops: list[np.ndarray]) -> tuple[int, int] | None:
   return best
 
 
+def rows_width(longest: int, seq_len: int) -> int:
+  """The prompt part of a step's rows: its longest prompt in the sampler's bucket, at most
+  data.seq_len (the prompts' own rows)."""
+  return min(sampling.bucket(max(longest, 1), minimum=sampling.PROMPT_BUCKET), seq_len)
+
+
 class GRPO(tasks.Task):
   name = "grpo"
 
@@ -196,6 +208,7 @@ class GRPO(tasks.Task):
     return {**out, "prompts": int(n)}
 
   def batch_shapes(self, cfg):
+    # The largest rows (prompts as long as data.seq_len); a step's own are often shorter.
     s = cfg.grpo
     R, L = cfg.train.batch_size * s.group_size, cfg.data.seq_len + s.max_new_tokens
     shapes = tasks.token_rows(R, L)
@@ -279,7 +292,8 @@ class GRPO(tasks.Task):
     return rows.records, max(int(rows.packed["segment_ids"].sum(axis=1).min()), 1)
 
   def _rollouts(self, params, prompts_RP, lengths_R, keys_R, *, split: str):
-    """[R, P + N]: each row's prompt and its completion, sampled (training) or greedy."""
+    """[R, P + N]: each row's prompt and its completion, sampled (training) or greedy (the
+    sampler's one loop, through `sampling.continue_rows`)."""
     s = self.s
     _, prefill = self._split(split)
     if split == "train":
@@ -323,8 +337,9 @@ class GRPO(tasks.Task):
     training = "seed" in batch
     host = {k: np.asarray(jax.device_get(batch[k])) for k in ("tokens", "segment_ids")}
     lengths = host["segment_ids"].sum(axis=1).astype(np.int32)
+    P = rows_width(int(lengths.max()), host["tokens"].shape[1])
     G = self.s.group_size if training else 1
-    prompts_RP, lengths_R = np.repeat(host["tokens"], G, axis=0), np.repeat(lengths, G)
+    prompts_RP, lengths_R = np.repeat(host["tokens"][:, :P], G, axis=0), np.repeat(lengths, G)
     if training:
       seeds = np.asarray(jax.device_get(batch["seed"]))
       keys = jax.vmap(jax.random.key)(jnp.asarray(np.repeat(seeds, G), jnp.uint32))

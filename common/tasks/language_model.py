@@ -80,7 +80,7 @@ def chat(args, cfg):
 
   # One worker restores the weights, then readies the sampler for the first prompt's length (from
   # the persistent cache, common/programs.py): in turn-by-turn chat, while the first line is
-  # typed (a short line's prompt shares the bucket of an empty one's, sampling.PROMPT_BUCKET).
+  # typed (a short line's prompt shares the bucket of an empty one's, sampling.bucket).
   with futures.ThreadPoolExecutor(1, thread_name_prefix="load") as worker:
     restored = worker.submit(weights.restore_params, cfg, args.workdir)
     # Decoding stops at the end of the turn: the end token, or the template's end-of-turn tag

@@ -515,3 +515,32 @@ def test_the_shipped_rewards():
   assert rewards.exact_answer(None, completions, answer) == [1.0, 1.0, 0.0, 0.0, 0.0]
   assert rewards.contains_answer(None, completions, answer) == [1.0, 1.0, 1.0, 0.0, 0.0]
   assert rewards.number_only(None, completions) == [1.0, 1.0, 0.0, 1.0, 0.0]
+
+
+@pytest.mark.slow
+def test_rows_fit_the_longest_prompt_with_the_same_rollouts_and_loss(tmp_path, monkeypatch):
+  """At data.seq_len=128 on short prompts, a step's rows are the longest prompt's bucket plus
+  max_new_tokens, not 128 + max_new_tokens; the rollouts, their rewards and advantages are those
+  of rows of the full width (the bucket forced up to seq_len), and so is the loss."""
+  cfg = smoke(tmp_path, **{"data.seq_len": "128"})
+  data = trainer.load_data(cfg)
+  batch = {k: np.asarray(v) for k, v in next(data.iterator).items()}
+  params = nnx.state(models.build(cfg.model, seed=0), nnx.Param)
+  N = cfg.grpo.max_new_tokens
+  task = tasks.of(cfg).prepare(data, cfg=cfg)
+  rows = {k: np.asarray(v) for k, v in task.complete(batch, params).items()}
+  longest = int(batch["segment_ids"].sum(axis=1).max())
+  assert rows["tokens"].shape[1] == sampling.bucket(longest, minimum=64) + N == 64 + N
+  monkeypatch.setattr(sampling, "PROMPT_BUCKET", 1024)  # the bucket capped at seq_len: before
+  task = tasks.of(cfg).prepare(data, cfg=cfg)
+  full = {k: np.asarray(v) for k, v in task.complete(batch, params).items()}
+  assert full["tokens"].shape[1] == 128 + N
+  L = rows["tokens"].shape[1]
+  for k in ("tokens", "segment_ids", "loss_weights"):
+    np.testing.assert_array_equal(full[k][:, :L], rows[k])
+    assert not full[k][:, L:].any()
+  np.testing.assert_array_equal(full["advantages"], rows["advantages"])
+  model = models.build(cfg.model, seed=0)
+  (got, count), (want, want_count) = (task.loss_sums(model, r) for r in (rows, full))
+  assert float(count) == float(want_count) > 0
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-6, atol=1e-7)

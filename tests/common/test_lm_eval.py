@@ -29,8 +29,9 @@ def _corpus() -> list[str]:
   return lines
 
 
-def write_hf_llama(out: str):
-  """A tiny random Llama with a byte-level BPE tokenizer that adds BOS, as Llama's does."""
+def write_hf_llama(out: str, *, chat_template: str | None = None):
+  """A tiny random Llama with a byte-level BPE tokenizer that adds BOS, as Llama's does (and a
+  chat template in its tokenizer_config.json if given)."""
   import tokenizers
   import torch
   import transformers
@@ -52,6 +53,8 @@ def write_hf_llama(out: str):
   )
   tok.save(os.path.join(out, "tokenizer.json"))
   special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+  if chat_template:
+    special["chat_template"] = chat_template
   with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
     json.dump({"tokenizer_class": "PreTrainedTokenizerFast", **special}, f)
   torch.manual_seed(0)
@@ -248,3 +251,70 @@ def test_without_lm_eval_says_what_to_install(monkeypatch):
   monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
   with pytest.raises(UserError, match=r"pip install nnx-zoo\[lm-eval\]"):
     zoo_lm_eval.run("anywhere", ["zoo_mc"])
+
+
+# A chat template that writes BOS itself (so no second one is added) and leaves an assistant's
+# last turn open when lm-eval continues it.
+CHAT_TEMPLATE = (
+  "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+  "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_dirs(tmp_path_factory):
+  pytest.importorskip("torch")
+  from nnx_zoo.common.hub import weights
+
+  root = tmp_path_factory.mktemp("lm_eval_chat")
+  hf, zoo = str(root / "hf"), str(root / "zoo")
+  write_hf_llama(hf, chat_template=CHAT_TEMPLATE)
+  weights.convert_hf(hf, zoo)
+  return {"hf": hf, "zoo": zoo}
+
+
+@pytest.mark.slow
+def test_apply_chat_template_equals_hf(chat_dirs):
+  """lm-eval's --apply_chat_template: the zoo renders each request as the hf backend does (the
+  same prompt strings) and scores and generates the same on them."""
+  tasks = ["zoo_mc", "zoo_gen"]
+
+  def evaluate(model, **kwargs):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    with pytest.MonkeyPatch.context() as patch:
+      patch.chdir(TASKS_DIR)
+      return lm_eval.simple_evaluate(
+        model=model,
+        tasks=tasks,
+        task_manager=TaskManager(include_path=TASKS_DIR),
+        apply_chat_template=True,
+        log_samples=True,
+        limit=4,
+        **kwargs,
+      )
+
+  zoo = evaluate(zoo_lm_eval.load_lm(chat_dirs["zoo"], batch_size=4))
+  model_args = f"pretrained={chat_dirs['hf']},dtype=float32"
+  hf = evaluate("hf", model_args=model_args, batch_size=4, device="cpu")
+  for task in tasks:
+    zoo_args = [s["arguments"] for s in zoo["samples"][task]]
+    assert zoo_args == [s["arguments"] for s in hf["samples"][task]]
+    assert "assistant:" in json.dumps(zoo_args)  # the template was applied
+  assert _responses(zoo, "zoo_gen") == _responses(hf, "zoo_gen")
+  for zoo_doc, hf_doc in zip(_responses(zoo, "zoo_mc"), _responses(hf, "zoo_mc"), strict=True):
+    for [(zoo_ll, zoo_greedy)], [(hf_ll, hf_greedy)] in zip(zoo_doc, hf_doc, strict=True):
+      assert zoo_ll == pytest.approx(hf_ll, abs=1e-4)
+      assert zoo_greedy == hf_greedy
+
+
+@pytest.mark.slow
+def test_apply_chat_template_without_a_template_is_refused(dirs, tmp_path, capsys):
+  out = tmp_path / "results.json"
+  argv = ["lm-eval", "--workdir", dirs["zoo"], "--tasks", "zoo_mc", "--apply-chat-template"]
+  argv += ["--include-path", TASKS_DIR, "--output-path", str(out)]
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and "chat template" in err
+  assert not out.exists()

@@ -110,3 +110,77 @@ def test_prompts_of_one_bucket_share_a_program(monkeypatch):
       model, np.ones((1, length), np.int32), max_new_tokens=4, rng=jax.random.key(0), temperature=0
     )
   assert sampling._generate._cache_size() == before + 1
+
+
+# The one loop (`begin`, `decode`): ragged prompts, stop ids, chunks
+
+
+def ragged_prompts(seed=5):
+  rng = np.random.default_rng(seed)
+  lengths = np.array([3, 9, 6, 1], np.int32)
+  P = 9
+  prompt = rng.integers(1, 64, (4, P)) * (np.arange(P)[None] < lengths[:, None])
+  return prompt.astype(np.int32), lengths
+
+
+def test_the_loop_on_ragged_prompts_with_stop_ids_equals_the_stepwise_reference():
+  """At temperature 0, rows of prompts of 1 to 9 tokens in one batch (a one-token prefill, the
+  rest forced) each get the tokens the stepwise reference gives that prompt alone, up to the
+  row's first stop id, and the stop id after it."""
+  from flax import nnx
+
+  model = tiny_decoder()
+  graphdef, params = nnx.split(model)
+  prompt, lengths = ragged_prompts()
+  N = 10
+  free = [
+    np.asarray(sampling.generate_stepwise(model, prompt[b : b + 1, :n], max_new_tokens=N))[0, n:]
+    for b, n in enumerate(lengths)
+  ]
+  stop = int(free[0][3])  # row 0's fourth new token
+  keys = jax.random.split(jax.random.key(0), 4)
+  for prefill in (1, 3):
+    state = sampling.begin(
+      params, prompt, lengths, keys, graphdef=graphdef, prefill=prefill, max_new_tokens=N
+    )
+    state = sampling.decode(
+      params, state, graphdef=graphdef, steps=9 + N, temperature=0.0, stop_ids=(stop,)
+    )
+    out = np.asarray(state.tokens_BL)
+    assert np.asarray(state.done_B).all()
+    for b, n in enumerate(lengths):
+      np.testing.assert_array_equal(out[b, :n], prompt[b, :n])
+      hits = np.flatnonzero(free[b] == stop)
+      end = hits[0] + 1 if len(hits) else N
+      np.testing.assert_array_equal(out[b, n : n + end], free[b][:end])
+      assert (out[b, n + end : n + N] == stop).all()
+
+
+def test_chunked_equals_unchunked_and_padding_changes_nothing():
+  """Sampled (temperature, top-k, top-p), the loop run 3 steps a call, its state passed back,
+  writes the tokens one call writes; and each row's tokens do not depend on how far its prompt
+  is padded (its keys are folded with the absolute position)."""
+  from flax import nnx
+
+  graphdef, params = nnx.split(tiny_decoder())
+  prompt, lengths = ragged_prompts(6)
+  N = 8
+  options = dict(graphdef=graphdef, temperature=1.3, top_k=20, top_p=0.9, stop_ids=(5, 7))
+
+  def start(prompt_BP):
+    keys = jax.random.split(jax.random.key(4), 4)
+    return sampling.begin(
+      params, prompt_BP, lengths, keys, graphdef=graphdef, prefill=1, max_new_tokens=N
+    )
+
+  whole = sampling.decode(params, start(prompt), steps=100, **options)
+  want = np.asarray(whole.tokens_BL)
+  state, calls = start(prompt), 0
+  while not np.asarray(state.done_B).all():
+    state = sampling.decode(params, state, steps=3, **options)
+    calls += 1
+  assert calls > 2
+  np.testing.assert_array_equal(np.asarray(state.tokens_BL), want)
+  assert int(state.t) == int(whole.t)
+  wider = sampling.decode(params, start(np.pad(prompt, ((0, 0), (0, 7)))), steps=100, **options)
+  np.testing.assert_array_equal(np.asarray(wider.tokens_BL)[:, : 9 + N], want)
