@@ -16,19 +16,24 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from nnx_zoo.common import parallel
 from nnx_zoo.common.nn import attention_ref
 
-# Query rows and keys a block. On XLA:CPU a forward + backward took about the same time at 512
-# as at 256 and less memory than at 1,024 per step of a block (bench/attention.py); a row of at
-# most BLOCK tokens runs the dense path (`attention_ref.attend_in_blocks`): one block holds all
-# its scores anyway.
-BLOCK = 512
+# Query rows and keys a block. On XLA:CPU (bench/attention.py, B=1, 8 heads of 64, causal) a
+# forward + backward at T = 4,096 kept 170, 112 and 107 MB of temporaries with blocks of 128,
+# 256 and 512 (the "xla" path 895 MB), and 256 was the fastest of them at 1,024 and 4,096. A row
+# of at most BLOCK tokens runs the dense path (`attention_ref.attend_in_blocks`, as "xla" does):
+# one block would hold all its scores anyway.
+BLOCK = 256
 
 
-def init(B: int, N: int, T: int, H: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def init(B: int, N: int, T: int, H: int, *like) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The running softmax of T queries before any key: (max [B, N, T], sum [B, N, T], weighted
-  values [B, N, T, H]), all fp32."""
-  return jnp.full((B, N, T), -jnp.inf), jnp.zeros((B, N, T)), jnp.zeros((B, N, T, H))
+  values [B, N, T, H]), all fp32, varying over the mesh axes any of `like` (what will be folded
+  in) does inside a sharded step (shard_map's typing of a loop's carry)."""
+  carry = jnp.full((B, N, T), -jnp.inf), jnp.zeros((B, N, T)), jnp.zeros((B, N, T, H))
+  axes = parallel.varying(*like)
+  return tuple(parallel.to_varying(x, axes) for x in carry)
 
 
 def fold(
@@ -146,7 +151,8 @@ def _query_block(q_BTNH, k_BSKH, v_BSKH, q_seg_BT, k_seg_BS, bias_BNTS, **static
     k_idx = jnp.arange(s0, s1)
     return k_BSKH[:, s0:s1], v_BSKH[:, s0:s1], k_idx, k_seg_BS[:, s0:s1], bias
 
-  carry = init(B, N, t1 - t0, H)
+  like = (q_BTNH, k_BSKH, v_BSKH, q_seg_BT, k_seg_BS, bias_BNTS)
+  carry = init(B, N, t1 - t0, H, *(x for x in like if x is not None))
   whole = (hi - lo) // block
   if whole > 1:
 

@@ -59,10 +59,7 @@ def attend_ring(
     x = jnp.moveaxis(x, 0, axis)
     return x.reshape(*x.shape[:axis], T, *x.shape[axis + 2 :])
 
-  carry = attention_blocked.init(B, N, T, H)
-  # The running sums vary over the mesh axes the queries and keys do (shard_map's typing).
-  axes = parallel.varying(q_BTNH, k_BSKH, v_BSKH)
-  carry = jax.tree.map(lambda x: parallel.to_varying(x, axes), carry)
+  carry = attention_blocked.init(B, N, T, H, q_BTNH, k_BSKH, v_BSKH)
   visiting = (k_BSKH, v_BSKH, parallel.token_index(T), k_seg_BS)
   for step_i in range(parallel.context_size()):
     if step_i:

@@ -1,7 +1,8 @@
 """Run by tests/parallel/test_context_parallel.py in a subprocess with 8 fake CPU devices: the
 loss, gradients and auxiliary losses of one batch of each decoder family on meshes that split
 the rows' tokens over `context` (mixed with data, fsdp, expert and tensor), and the same on one
-device, printed as JSON."""
+device, printed as JSON. With `:blocked`, the family
+with `attention.impl="blocked"` on meshes of data, fsdp and tensor instead."""
 
 import json
 import os
@@ -20,6 +21,7 @@ from nnx_zoo.common import (  # noqa: E402
   parallel,
   tasks,  # noqa: E402
 )
+from nnx_zoo.common.nn import attention_blocked  # noqa: E402
 from nnx_zoo.common.train import step as steps  # noqa: E402
 from nnx_zoo.zoo.gpt2 import model as gpt2  # noqa: E402
 
@@ -31,6 +33,8 @@ MESHES = {
   "all": [(1, 1, 1, 8, 1), (1, 2, 1, 2, 2)],
   "more": [(1, 1, 1, 8, 1), (2, 1, 1, 2, 2), (1, 2, 1, 4, 1), (1, 2, 1, 2, 2)],
   "moe": [(1, 1, 1, 8, 1), (1, 1, 2, 2, 2), (2, 1, 2, 2, 1)],
+  # attention.impl="blocked": the heads split over tensor, the rows over data and fsdp.
+  "blocked": [(4, 1, 1, 1, 2), (1, 4, 1, 1, 2), (2, 2, 1, 1, 2)],
 }
 # The decoder families and what each brings to attention: RoPE and GQA (the char model), a
 # sliding window on every other layer, soft-caps and a chunked loss (Gemma 2), QK-norm and a
@@ -73,8 +77,12 @@ def batch_of(cfg) -> dict:
   return {"tokens": tokens, "segment_ids": segments}
 
 
-def run(family: str, *, scan: bool, ring: bool) -> dict:
+def run(family: str, *, scan: bool, ring: bool, blocked: bool = False) -> dict:
   cfg = config(family, scan=scan)
+  meshes = MESHES[FAMILIES[family][1]]
+  if blocked:  # every layer kind's attention; rows of 32 in blocks of 8 (4 query blocks)
+    cfg.model.attention.impl, attention_blocked.BLOCK = "blocked", 8
+    meshes = MESHES["blocked"]
   if ring:  # every layer kind's attention: the kinds' overrides are merged into it
     cfg.model.attention.context_impl = "ring"
     # Rows of 1,024 on 4 context devices: 256 queries a device, run in blocks at each step.
@@ -98,7 +106,7 @@ def run(family: str, *, scan: bool, ring: bool) -> dict:
       )
     )
   }
-  for sizes in [(1, 1, 1, 4, 1), (1, 2, 1, 4, 1)] if ring else MESHES[FAMILIES[family][1]]:
+  for sizes in [(1, 1, 1, 4, 1), (1, 2, 1, 4, 1)] if ring else meshes:
     n = int(np.prod(sizes))
     layout = parallel.make_layout(dict(zip(mesh.AXES[1:], sizes, strict=True)), jax.devices()[:n])
     placed = jax.device_put(params, layout.shardings(layout.param_specs(params)))
@@ -109,8 +117,12 @@ def run(family: str, *, scan: bool, ring: bool) -> dict:
     )
     placed_batch = steps.put_batch(batch, layout, TASK)
     out[str(sizes)] = result(*fn(placed, placed_batch))
-    # What each device was fed: its share of the next-token rows, made on the host.
-    inputs = placed_batch["next_token"]["inputs"]
+    # What each device was fed: its share of the next-token rows, made on the host (without
+    # context, whole rows: their inputs are all tokens but the last).
+    if "next_token" in placed_batch:
+      inputs = placed_batch["next_token"]["inputs"]
+    else:
+      inputs = placed_batch["tokens"][:, :-1]
     out[str(sizes)]["fed"] = sorted({tuple(s.data.shape) for s in inputs.addressable_shards})
     # How the layers attend across devices: the collectives in the lowered step.
     text = fn.lower(placed, placed_batch).as_text()
@@ -121,11 +133,12 @@ def run(family: str, *, scan: bool, ring: bool) -> dict:
 
 
 def main(which: list[str]):
-  """`which`: families, each optionally `:scan` (scanned, rematerialised) or `:ring`."""
+  """`which`: families, each optionally `:scan` (scanned, rematerialised), `:ring` or
+  `:blocked`."""
   out = {}
   for name in which:
     family, _, how = name.partition(":")
-    out[name] = run(family, scan=how == "scan", ring=how == "ring")
+    out[name] = run(family, scan=how == "scan", ring=how == "ring", blocked=how == "blocked")
   print(json.dumps(out))
 
 

@@ -1,7 +1,8 @@
 """Context parallelism (`mesh.context`) equals one device: losses, gradients and auxiliary
 losses of every decoder family on meshes mixing context with data, fsdp, expert and tensor
 (8 fake CPU devices, in subprocesses), scanned and rematerialised too; a run saved on one
-context size resumes on another; and what a context mesh refuses."""
+context size resumes on another; and what a context mesh refuses. Blocked attention
+(`attention.impl="blocked"`) on meshes of data, fsdp and tensor equals one device too."""
 
 import json
 import os
@@ -16,6 +17,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multidevice, pytest.mark.slow]
 FAMILIES = ["llama", "gemma2", "gemma3", "gpt2", "qwen3-moe", "llama:scan", "gemma2:ring"]
+BLOCKED = ["llama:blocked", "gemma2:blocked"]
 
 
 def run(args: list[str], devices: int = 8) -> subprocess.CompletedProcess:
@@ -33,10 +35,30 @@ def results():
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def blocked_results():
+  proc = run([str(ROOT / "tests" / "parallel" / "context_worker.py"), *BLOCKED])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", BLOCKED)
+def test_blocked_attention_on_a_mesh_equals_single_device(blocked_results, name):
+  """attention.impl="blocked" (rows of 32 in blocks of 8) with the heads split over tensor and
+  the rows over data and fsdp: Gemma 2's windows and soft-caps, GQA, packed segments."""
+  assert_equal_single_device(blocked_results, name)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_loss_aux_and_gradients_equal_single_device(results, name):
   """Ring: Gemma 2's sliding windows, soft-caps and GQA with the keys passed round, rows of
   1,024 tokens on 4 context devices (the queries in blocks at each step)."""
+  assert_equal_single_device(results, name)
+
+
+def assert_equal_single_device(results, name):
+  """Every mesh's loss, auxiliary losses and gradients in `results[name]` (context_worker.py's)
+  equal the single device's."""
   results = dict(results[name])
   ref = results.pop("single")
   assert len(results) >= 2
