@@ -1,6 +1,6 @@
-"""The one trainer for every family, in the order it runs: the layout, the step (compiled, its
-memory checked: common/train/fit.py), the weights (a train state restored, fresh, or fresh with
-another checkpoint's weights), the workdir, the data, the task's own start-up, then the loop.
+"""The one trainer for every family, in the order it runs: the layout, the data, the step
+(compiled, its memory checked: common/train/fit.py), the weights (a train state restored, fresh,
+or fresh with another checkpoint's weights), the workdir, the task's own start-up, then the loop.
 
 The step itself (`common/train/step.py`) is a pure `train_step(state, batch) -> (state,
 metrics)`; everything here is start-up and bookkeeping around it.
