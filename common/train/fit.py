@@ -159,15 +159,44 @@ def format_fitted(overrides: dict) -> str:
 # The compiled step
 
 
-def abstract_batch(cfg, layout) -> dict:
+def peek(iterator) -> dict | None:
+  """The shapes and dtypes of the training iterator's next batch, the iterator left where it
+  was (its state, which checkpoints save, set back); None if it keeps no state."""
+  if iterator is None or not hasattr(iterator, "get_state"):
+    return None
+  state = iterator.get_state()
+  batch = next(iterator)
+  iterator.set_state(state)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
+
+
+def placed(batch: dict, layout) -> dict:
+  """The batch as the step takes it: on one device, every array on it (the host's and those the
+  task made on the device alike, as `abstract_batch` describes them), so the program compiled
+  ahead of time is the one that runs; on a mesh, as `step.put_batch` placed it."""
+  if layout is not None:
+    return batch
+  return jax.device_put(batch, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+
+def abstract_batch(cfg, layout, example: dict | None = None) -> dict:
   """The batch the step takes, as `zoo run` feeds it: the task's global batch
-  (`Task.batch_shapes`), split over the batch axes (one device: unplaced, as the host's arrays
-  are); under `mesh.context` the rows the task splits (a language model's next-token rows
-  [B, seq_len]), split over it too, as `step.put_batch` makes them."""
+  (`Task.batch_shapes`) with the arrays of the data's own batches it does not name (`example`:
+  `peek`'s, such as chat's loss weights; not for a task that completes its batches), split
+  over the batch axes (one device: on it, `placed`); under `mesh.context` the rows the task
+  splits (a language model's next-token rows [B, seq_len]), split over it too, as
+  `step.put_batch` makes them."""
   task = tasks.of(cfg)
   whole = {k: jax.ShapeDtypeStruct(*v) for k, v in task.batch_shapes(cfg).items()}
+  # A task that makes its batches itself (`Task.complete`: grpo's rollouts) names them whole; one
+  # that trains on the data's batches as they come takes the data's other arrays too.
+  given = example if type(task).complete is tasks.Task.complete else None
+  for k, v in (given or {}).items():
+    if k not in whole and not isinstance(v, dict):
+      whole[k] = jax.ShapeDtypeStruct((cfg.train.batch_size, *v.shape[1:]), v.dtype)
   if layout is None:
-    return whole
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=device) for k, v in whole.items()}
   if layout.sizes.get("context", 1) > 1:
     rows = jax.eval_shape(task.context_rows, whole)
     if rows is not None:
@@ -178,12 +207,14 @@ def abstract_batch(cfg, layout) -> dict:
   return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in whole.items()}
 
 
-def compile_step(cfg, *, tx, layout):
-  """(the jitted step `zoo run` runs, its program compiled for abstract inputs). The trainer
-  calls the jitted step itself: jax keeps the compiled program, so it is not compiled again."""
+def compile_step(cfg, *, tx, layout, example: dict | None = None):
+  """(the jitted step `zoo run` runs, its program compiled for abstract inputs: `abstract_batch`
+  of `example`). The trainer calls the jitted step itself on batches so shaped and `placed`:
+  jax keeps the compiled program, so it is not compiled again."""
   abstract, shardings = steps.placed_abstract_state(cfg, tx, layout)
   step_fn = steps.make_train_step(cfg, tx=tx, layout=layout, shardings=shardings)
-  return step_fn, step_fn.lower(abstract, abstract_batch(cfg, layout)).compile()
+  batch = abstract_batch(cfg, layout, example)
+  return step_fn, step_fn.lower(abstract, batch).compile()
 
 
 def _knows_batches(cfg) -> bool:
@@ -216,13 +247,13 @@ class Search:
   chosen: tuple | None = None  # (cfg, step_fn, overrides, Fit) of the first that fits
 
 
-def search(cfg, *, tx, layout) -> Search | None:
+def search(cfg, *, tx, layout, example=None) -> Search | None:
   """The configured step compiled and measured; where it does not fit, the candidates compiled
   in their order until one fits with 10% headroom. None: the task's batches are unknown."""
   if not _knows_batches(cfg):
     return None
   has = agreed_budget()
-  step_fn, compiled = compile_step(cfg, tx=tx, layout=layout)
+  step_fn, compiled = compile_step(cfg, tx=tx, layout=layout, example=example)
   result = Search(device_memory.measure(compiled, against=has), step_fn)
   del compiled
   if result.first.fits():
@@ -234,7 +265,7 @@ def search(cfg, *, tx, layout) -> Search | None:
       parallel.check_experiment(candidate, sizes)
     except UserError:  # a lever this mesh cannot take (a pipeline's micro-batches)
       continue
-    c_step, c_compiled = compile_step(candidate, tx=tx, layout=layout)
+    c_step, c_compiled = compile_step(candidate, tx=tx, layout=layout, example=example)
     measured = device_memory.measure(c_compiled, against=has)
     del c_compiled
     result.tried.append((overrides, measured))
@@ -258,14 +289,15 @@ def _name(cfg) -> str:
   return cfg.get("experiment", "") or "the experiment"
 
 
-def fitted_step(cfg, *, tx, layout):
-  """(cfg, its jitted train step): the step compiled and checked against the device's memory
-  before it runs. With train.fit="auto" a step that does not fit comes back with the first
-  candidate that does (its levers in `cfg` and in `train.fitted`, logged once); with "off", or
-  where nothing fits, a UserError of one line with the candidates' figures."""
+def fitted_step(cfg, *, tx, layout, example=None):
+  """(cfg, its jitted train step): the step compiled for batches shaped as `example` (`peek`'s)
+  and checked against the device's memory before it runs. With train.fit="auto" a step that
+  does not fit comes back with the first candidate that does (its levers in `cfg` and in
+  `train.fitted`, logged once); with "off", or where nothing fits, a UserError of one line with
+  the candidates' figures."""
   if cfg.train.fit not in MODES:
     raise UserError(f"train.fit={cfg.train.fit!r}: it is one of {', '.join(MODES)}.")
-  result = search(cfg, tx=tx, layout=layout)
+  result = search(cfg, tx=tx, layout=layout, example=example)
   if result is None:
     abstract, shardings = steps.placed_abstract_state(cfg, tx, layout)
     return cfg, steps.make_train_step(cfg, tx=tx, layout=layout, shardings=shardings)

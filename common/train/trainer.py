@@ -1,6 +1,6 @@
-"""The one trainer for every family, in the order it runs: the layout, the step (compiled, its
-memory checked: common/train/fit.py), the weights (a train state restored, fresh, or fresh with
-another checkpoint's weights), the workdir, the data, the task's own start-up, then the loop.
+"""The one trainer for every family, in the order it runs: the layout, the data, the step
+(compiled, its memory checked: common/train/fit.py), the weights (a train state restored, fresh,
+or fresh with another checkpoint's weights), the workdir, the task's own start-up, then the loop.
 
 The step itself (`common/train/step.py`) is a pure `train_step(state, batch) -> (state,
 metrics)`; everything here is start-up and bookkeeping around it.
@@ -39,10 +39,15 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   check_workdir(cfg, workdir)
   kinds.check(cfg)
 
-  # The step, compiled and its memory compared with the device's before anything is loaded or
-  # written: one that does not fit is made to fit (train.fit="auto") or refused in one line
+  # Data: what cfg.data.kind's module of common/data/ loads (read only; a resumed run's
+  # continues where its step left it, below)
+  data = load_data(cfg, layout=layout, checked=True)
+
+  # The step, compiled for the data's batches and its memory compared with the device's before
+  # the weights are read or anything is written: one that does not fit is made to fit
+  # (train.fit="auto") or refused in one line
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
-  cfg, step_fn = fit.fitted_step(cfg, tx=tx, layout=layout)
+  cfg, step_fn = fit.fitted_step(cfg, tx=tx, layout=layout, example=fit.peek(data.iterator))
 
   # Weights: resumed, fresh, or fresh with init_from's in their place (`start_state`)
   state, _ = start_state(cfg, tx, layout, workdir)
@@ -50,10 +55,6 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   # The workdir: config.json, the first file written, and the checkpoints
   write_config(cfg, workdir)
   ckpts = checkpoint.Checkpoints(workdir, keep=cfg.train.keep_checkpoints)
-
-  # Data: what cfg.data.kind's module of common/data/ loads; a resumed run's continues where
-  # its step left it
-  data = load_data(cfg, layout=layout, checked=True)
   start = int(state.step)
   if start:
     ckpts.restore_data(start, data.iterator)
@@ -83,7 +84,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   try:
     for step in range(start + 1, cfg.train.steps + 1):
       batch = task.complete(steps.put_batch(next(data_iter), layout, task), state.params)
-      state, metrics = step_fn(state, batch)
+      state, metrics = step_fn(state, fit.placed(batch, layout))
       nonfinite.observe(step, metrics)
       if step % cfg.train.log_every == 0 or step == cfg.train.steps:
         metrics = {k: float(v) for k, v in metrics.items()}

@@ -196,3 +196,15 @@ def test_sampler_program_refused(monkeypatch, tmp_path, cached):
   monkeypatch.setenv(device_memory.BUDGET, "1KiB")
   with pytest.raises(UserError, match=r"^The square program does not fit: it needs 0.03 MiB"):
     programs.load("square", lambda x: x @ x, args, static="square")
+
+
+def test_show_memory(monkeypatch, capsys):
+  monkeypatch.setenv(device_memory.BUDGET, "64GiB")
+  assert cli.main(["show", SMOKE, "--memory"]) == 0
+  out = capsys.readouterr().out
+  assert "# memory: the train step needs" in out and "has 64.00 GiB (NNX_ZOO_MEMORY_BUDGET)" in out
+  assert "# memory: fits; train.fit changes nothing" in out
+  monkeypatch.setenv(device_memory.BUDGET, "1KiB")
+  pulled = ["--config.model.remat=full", "--config.train.batch_size=1"]
+  assert cli.main(["show", SMOKE, "--memory", *pulled]) == 0
+  assert "# memory: DOES NOT FIT" in capsys.readouterr().out
