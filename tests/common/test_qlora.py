@@ -69,6 +69,8 @@ def test_the_model_computes_with_the_dequantized_kernels_and_nf4_base_bytes():
   params = nnx.state(model, nnx.Param)
   quantized, fp32 = qlora.base_bytes(params)
   assert quantized / fp32 <= 0.16, quantized / fp32
+  # Counted as weights, not bytes.
+  assert models.num_params(llama_cfg("nf4")) == models.num_params(llama_cfg(""))
   plain = models.build(llama_cfg(""))
   nodes = dict(nnx.iter_graph(plain))
   for path, q in nnx.iter_graph(model):
