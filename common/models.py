@@ -9,7 +9,6 @@ import functools
 import importlib
 import pkgutil
 
-import jax
 import ml_collections
 from flax import nnx
 
@@ -100,9 +99,10 @@ def abstract(cfg) -> nnx.Module:
 
 
 def num_params(cfg, which=nnx.Param) -> int:
-  """The number of parameters (of those the nnx filter `which` selects)."""
+  """The number of parameters (of those the nnx filter `which` selects); a base kernel stored
+  quantized (QLoRA) counts its weights, not its bytes."""
   state = nnx.state(abstract(cfg), which)
-  return sum(int(x.size) for x in jax.tree.leaves(state))
+  return sum(qlora.weights(k, v) for k, v in nnx.to_flat_state(state))
 
 
 def num_fixed(cfg) -> int:
@@ -121,8 +121,8 @@ def num_active_params(cfg) -> int:
   axis E) count top_k / num_experts of their size, everything else whole."""
   experts = cfg.mlp.num_experts if cfg.mlp.kind == "moe" else 0
   total = 0
-  for _, var in nnx.to_flat_state(nnx.state(abstract(cfg), nnx.Param)):
-    size = int(var.size)
+  for path, var in nnx.to_flat_state(nnx.state(abstract(cfg), nnx.Param)):
+    size = qlora.weights(path, var)
     if experts and "E" in (getattr(var, "axes", None) or ()):
       size = size * cfg.mlp.top_k // experts
     total += size

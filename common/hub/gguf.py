@@ -199,7 +199,7 @@ class GGUFTensors:
   reported as unexpected)."""
 
   def __init__(self, reader, arch: str, config: dict, hf_of: dict[str, str]):
-    self.arch, self.config = arch, config
+    self.arch, self.config, self.reader = arch, config, reader
     self.tensors = {hf_of.get(t.name, t.name): t for t in reader.tensors if t.name not in DROPPED}
 
   def names(self) -> list[str]:
@@ -225,7 +225,19 @@ class GGUFTensors:
     for i in range(0, rows.shape[0], chunk):
       part = gguf.quants.dequantize(data[i : i + chunk], t.tensor_type)
       rows[i : i + chunk] = part.reshape(-1, shape[-1])
+    _release(self.reader)
     return _transform(self.arch, self.config, t.name, x, to_hf=True)
+
+
+def _release(reader):
+  """Drops the file's pages read so far from this process's memory (the reader maps the whole
+  file; what was read would stay resident, the size of the file by the last tensor). They are
+  the file's own, clean: a later read maps them back."""
+  import mmap
+
+  buffer = getattr(reader.data, "_mmap", None)
+  if buffer is not None and hasattr(mmap, "MADV_DONTNEED"):
+    buffer.madvise(mmap.MADV_DONTNEED)
 
 
 def _check_types(reader, path: str):

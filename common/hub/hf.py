@@ -261,7 +261,10 @@ def from_hf(
   param_dtype = jnp.dtype(cfg.param_dtype)
   flat = []
   for rule in rules:
-    values = rule.to_zoo(*(jnp.asarray(tensors.get(found[n])) for n in hf_names(rule)))
+    # A host array read (GGUF's, dequantized) becomes the jax array without a copy.
+    values = rule.to_zoo(
+      *(jax.device_put(tensors.get(found[n]), may_alias=True) for n in hf_names(rule))
+    )
     for z, value in zip(rule.zoo, values, strict=True):
       var = want[z].replace(value.astype(param_dtype))
       flat.extend([(_path(z), var)] if quantize is None else quantize(_path(z), var))

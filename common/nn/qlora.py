@@ -148,6 +148,16 @@ def quantizer(want: dict, kind: str):
   return one
 
 
+def weights(path: tuple, var) -> int:
+  """The model weights a parameter holds: a quantized kernel's as many as its fp32 kernel had
+  (two a byte where packed), its scales none (they are the kernel's), anything else its size."""
+  if not isinstance(var, QuantizedBase):
+    return int(var.size)
+  if path[-1] != "kernel":
+    return 0
+  return int(var.size) * (2 if var.dtype == jnp.uint8 else 1)
+
+
 def base_bytes(params) -> tuple[int, int]:
   """(bytes of the quantized base kernels with their scales, bytes the same kernels take in
   fp32): the saving `base_quant` gives."""

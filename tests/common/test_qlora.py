@@ -69,6 +69,8 @@ def test_the_model_computes_with_the_dequantized_kernels_and_nf4_base_bytes():
   params = nnx.state(model, nnx.Param)
   quantized, fp32 = qlora.base_bytes(params)
   assert quantized / fp32 <= 0.16, quantized / fp32
+  # Counted as weights, not bytes.
+  assert models.num_params(llama_cfg("nf4")) == models.num_params(llama_cfg(""))
   plain = models.build(llama_cfg(""))
   nodes = dict(nnx.iter_graph(plain))
   for path, q in nnx.iter_graph(model):
@@ -241,9 +243,9 @@ def losses(workdir) -> dict:
 
 @pytest.mark.slow
 def test_qlora_run_resumes_exactly_and_exports_merged(tmp_path):
-  """4 steps straight = 2, then resumed to 4 (losses and params bitwise); `zoo export hf` of
-  it loads in transformers with the QLoRA model's logits (the adapters folded into the
-  dequantized base)."""
+  """4 steps straight = 2, then resumed to 4 (losses and params bitwise); init_from it reads the
+  merged model; `zoo export hf` of it loads in transformers with the QLoRA model's logits (the
+  adapters folded into the dequantized base)."""
   import torch
   import transformers
 
@@ -259,6 +261,19 @@ def test_qlora_run_resumes_exactly_and_exports_merged(tmp_path):
   for k in a_flat:
     np.testing.assert_array_equal(np.asarray(a_flat[k][...]), np.asarray(b_flat[k][...]))
   assert any(isinstance(v, qlora.QuantizedBase) for v in a_flat.values())  # checkpointed codes
+
+  # init_from a QLoRA workdir: its adapters merged into the dequantized base, a plain model;
+  # a QLoRA run from it quantizes that merged base again.
+  merged_cfg, merged = weights.read(straight)
+  assert merged_cfg.lora.rank == 0 and merged_cfg.lora.base_quant == ""
+  assert not any(isinstance(v, qlora.QuantizedBase) for _, v in nnx.to_flat_state(merged))
+  again = smoke(4)
+  again.init_from, again.model.lora.base_quant = straight, "int8"
+  loaded = weights.init_params(again, nnx.state(models.abstract(again.model), nnx.Param))
+  kernel = ("blocks", 0, "attn", "q", "kernel")
+  codes, _ = qlora.quantize(dict(nnx.to_flat_state(merged))[kernel][...], kind="int8")
+  got = dict(nnx.to_flat_state(loaded))[kernel][...]
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(codes))
 
   weights.export_hf(straight, str(tmp_path / "hf"))
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
