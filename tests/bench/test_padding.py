@@ -6,6 +6,7 @@ import json
 import pathlib
 
 import numpy as np
+import pytest
 
 from nnx_zoo.common import experiments
 from nnx_zoo.common.train import trainer
@@ -20,6 +21,7 @@ def load():
   return module
 
 
+@pytest.mark.slow  # loads the data four times: about 20 s here under load
 def test_counts_of_one_pair_a_row_and_packed(tmp_path):
   bench = load()
   with open(tmp_path / "train.jsonl", "w") as f:
