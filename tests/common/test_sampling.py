@@ -123,6 +123,7 @@ def ragged_prompts(seed=5):
   return prompt.astype(np.int32), lengths
 
 
+@pytest.mark.slow
 def test_the_loop_on_ragged_prompts_with_stop_ids_equals_the_stepwise_reference():
   """At temperature 0, rows of prompts of 1 to 9 tokens in one batch (a one-token prefill, the
   rest forced) each get the tokens the stepwise reference gives that prompt alone, up to the
@@ -156,6 +157,7 @@ def test_the_loop_on_ragged_prompts_with_stop_ids_equals_the_stepwise_reference(
       assert (out[b, n + end : n + N] == stop).all()
 
 
+@pytest.mark.slow
 def test_chunked_equals_unchunked_and_padding_changes_nothing():
   """Sampled (temperature, top-k, top-p), the loop run 3 steps a call, its state passed back,
   writes the tokens one call writes; and each row's tokens do not depend on how far its prompt
