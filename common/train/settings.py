@@ -23,6 +23,11 @@ TRAIN = {
   # early by (1 + step) / (10 + step); it is what is evaluated, checkpointed beside the params
   # and read by zoo eval, generate, export and init_from. 0: none.
   "ema": 0.0,
+  # Seconds without a new step after which a process is taken as hung: every thread's stack is
+  # written to WORKDIR/hangs/ and the process exits 75 (common/train/watchdog.py). -1: 10 x the
+  # slowest recent step, at least 300 s; start-up and the first step, and evaluation, get 600 s
+  # more. 0: no watchdog.
+  "watchdog_s": -1.0,
 }
 OPTIM = {
   "lr": 3e-4,
