@@ -84,13 +84,16 @@ class Supervisor:
         return code
       made_steps = (self._record() or {}).get("step", 0) > resumed
       backoff = BACKOFF_S if made_steps else min(2 * backoff, BACKOFF_MAX_S)
+      # Every process's watchdog fires about together, process 0's exit a little later: the
+      # new child must not meet the old coordinator.
+      wait = max(backoff, watchdog.COORDINATOR_WAIT_S + 1) if code == watchdog.HUNG else backoff
       now = latest_checkpoint(self.workdir)
       self._record_restart(attempt=attempt + 1, cause=cause, resumed_from=now)
       say(
-        f"zoo: {cause}: restart {attempt + 1} of {self.restarts} in {backoff:g} s, resuming "
+        f"zoo: {cause}: restart {attempt + 1} of {self.restarts} in {wait:g} s, resuming "
         f"from step {now}."
       )
-      deadline = time.monotonic() + backoff
+      deadline = time.monotonic() + wait
       while time.monotonic() < deadline and not self.stopping:
         time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0)))
       if self.stopping:

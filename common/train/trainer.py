@@ -36,8 +36,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   layout = experiment_layout(cfg)
   check_workdir(cfg, workdir)
   # The hang watchdog (started with the loop) and $NNX_ZOO_INJECT's test faults, checked now
-  guard = watchdog.Watchdog(cfg.train.watchdog_s, workdir=workdir, process=jax.process_index())
-  injected = inject.from_env(workdir, process=jax.process_index())
+  process, processes = jax.process_index(), jax.process_count()
+  guard = watchdog.Watchdog(
+    cfg.train.watchdog_s, workdir=workdir, process=process, processes=processes
+  )
+  injected = inject.from_env(workdir, process=process)
 
   # Weights: resumed, fresh, or fresh with init_from's in their place (`start_state`)
   tx = optim.optimizer(cfg.optim, cfg.train.steps)

@@ -34,6 +34,10 @@ AUTO_FACTOR = 10.0
 FIRST_S = 600.0  # allowed on top of the limit for start-up and the first step, and evaluation
 WINDOW = 100  # steps over which the slowest one sets the automatic limit
 TICK_S = 1.0  # how often the thread looks, and rewrites the progress file
+# Process 0 hosts JAX's coordination service, whose end ends every other process at once, before
+# their own watchdogs (whose limits run out about together) have written where they stand: it
+# waits this long between its dump and its exit.
+COORDINATOR_WAIT_S = 5.0
 
 
 def progress_path(workdir: str, process: int) -> str:
@@ -56,13 +60,16 @@ class Watchdog:
   The main thread only stores the step and a time; the thread does the rest. `on_hang` is what
   ends the process (os._exit(HUNG)); tests pass their own."""
 
-  def __init__(self, limit_s: float, *, workdir: str, process: int, on_hang=None):
+  def __init__(
+    self, limit_s: float, *, workdir: str, process: int, processes: int = 1, on_hang=None
+  ):
     if limit_s < 0 and limit_s != AUTO:
       raise UserError(
         f"train.watchdog_s={limit_s:g}: give the seconds without a step after which a process "
         "is taken as hung, 0 (no watchdog) or -1 (scaled to the step time)."
       )
     self.setting, self.workdir, self.process = float(limit_s), workdir, process
+    self.wait_s = COORDINATOR_WAIT_S if process == 0 and processes > 1 else 0.0
     self.on_hang = on_hang or (lambda: os._exit(HUNG))
     self.step, self.steps_seen = 0, 0
     self.last = time.monotonic()  # when the step last advanced (or start-up began)
@@ -125,6 +132,7 @@ class Watchdog:
       self._write_progress(path, step=step, stood=stood, limit=limit)
       if stood > limit:
         self.fired = self._dump(step=step, stood=stood, limit=limit)
+        time.sleep(self.wait_s)
         self.on_hang()
         return
 
@@ -148,7 +156,8 @@ class Watchdog:
     head = (
       f"zoo: watchdog: process {self.process} (pid {os.getpid()} on {socket.gethostname()}) "
       f"made no step for {stood:.0f} s (limit {limit:.0f} s, train.watchdog_s): last step "
-      f"{step}, at {stamp} UTC; every thread's stack follows, then exit {HUNG}.\n"
+      f"{step}, at {stamp} UTC; every thread's stack follows, then exit {HUNG}"
+      f"{f' in {self.wait_s:g} s' if self.wait_s else ''}.\n"
     )
     folder = os.path.join(self.workdir, "hangs")
     path = os.path.join(folder, f"p{self.process}-step{step}-{stamp}.txt")

@@ -73,7 +73,8 @@ class Job:
     Job.count += 1
     self.workdir = str(workdir)
     argv = [ZOO, "run", SMOKE, "--workdir", self.workdir, "--quiet"]
-    argv += [f"--config.{k}={v}" for k, v in {**OVERRIDES, **overrides}.items()]
+    overrides = {**OVERRIDES, "mesh.data": str(processes), **overrides}
+    argv += [f"--config.{k}={v}" for k, v in overrides.items()]
     if restarts is not None:
       argv += ["--restarts", str(restarts)]
     if processes > 1:
@@ -202,7 +203,7 @@ def test_a_hang_fires_both_watchdogs_and_the_restarted_job_ends_equal(tmp_path, 
   assert restarts(workdir, 1)[0]["cause"] == f"watchdog (exit {watchdog.HUNG})"
   assert resumed_at is not None
   REPORT.append(
-    f"hang: {resumed_at - hung_at:.1f} s from the hang to the job resumed (step 5 logged again; "
+    f"hang: {resumed_at - hung_at:.1f} s from the hang to the job resumed (its first step logged after the restart; "
     f"watchdog_s {WATCHDOG_S})"
   )
   assert_equal_params(workdir, reference_two)
