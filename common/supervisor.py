@@ -86,7 +86,9 @@ class Supervisor:
       backoff = BACKOFF_S if made_steps else min(2 * backoff, BACKOFF_MAX_S)
       # Every process's watchdog fires about together, process 0's exit a little later: the
       # new child must not meet the old coordinator.
-      wait = max(backoff, watchdog.COORDINATOR_WAIT_S + 1) if code == watchdog.HUNG else backoff
+      wait = (
+        max(backoff, watchdog.COORDINATOR_WAIT_S + BACKOFF_S) if code == watchdog.HUNG else backoff
+      )
       now = latest_checkpoint(self.workdir)
       self._record_restart(attempt=attempt + 1, cause=cause, resumed_from=now)
       say(

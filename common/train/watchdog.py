@@ -102,9 +102,10 @@ class Watchdog:
     self.step, self.last, self.extra = step, now, 0.0
 
   @contextlib.contextmanager
-  def allowing(self, seconds: float = FIRST_S):
-    """Work inside the block gets `seconds` more; the time after it counts from its end."""
-    self.extra = seconds
+  def allowing(self, seconds: float | None = None):
+    """Work inside the block gets `seconds` (FIRST_S) more; the time after it counts from its
+    end."""
+    self.extra = FIRST_S if seconds is None else seconds
     try:
       yield
     finally:

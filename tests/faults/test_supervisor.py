@@ -203,8 +203,8 @@ def test_a_hang_fires_both_watchdogs_and_the_restarted_job_ends_equal(tmp_path, 
   assert restarts(workdir, 1)[0]["cause"] == f"watchdog (exit {watchdog.HUNG})"
   assert resumed_at is not None
   REPORT.append(
-    f"hang: {resumed_at - hung_at:.1f} s from the hang to the job resumed (its first step logged after the restart; "
-    f"watchdog_s {WATCHDOG_S})"
+    f"hang: {resumed_at - hung_at:.1f} s from the hang to the job resumed (its first step "
+    f"logged after the restart; watchdog_s {WATCHDOG_S})"
   )
   assert_equal_params(workdir, reference_two)
 
