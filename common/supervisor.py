@@ -133,7 +133,7 @@ class Supervisor:
   def _stalled(self) -> str | None:
     """Why the child cannot end itself and must be killed, or None."""
     record = self._record()
-    if record is None:
+    if record is None or record["limit_s"] is None:  # none yet, or the loop has ended
       return None
     now, limit = time.time(), record["limit_s"]
     if now - record["t"] > limit:  # its watchdog thread has not run for as long as the limit

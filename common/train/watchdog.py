@@ -136,10 +136,14 @@ class Watchdog:
         time.sleep(self.wait_s)
         self.on_hang()
         return
+    # The loop has ended (its last save and the process's exit are not watched): say so, or the
+    # supervisor would take the silence for a stopped process.
+    self._write_progress(path, step=self.step, stood=time.monotonic() - self.last, limit=None)
 
-  def _write_progress(self, path: str, *, step: int, stood: float, limit: float):
+  def _write_progress(self, path: str, *, step: int, stood: float, limit: float | None):
     """{pid, process, step, step_t (wall time of its end), t (now), limit_s}: the supervisor
-    reads `t` to see the process run and `step_t` to see it advance."""
+    reads `t` to see the process run and `step_t` to see it advance; `limit_s` None once the
+    watchdog has stopped."""
     now = time.time()
     record = {"pid": os.getpid(), "process": self.process, "step": step}
     record.update(step_t=now - stood, t=now, limit_s=limit)

@@ -202,6 +202,8 @@ def test_a_hang_fires_both_watchdogs_and_the_restarted_job_ends_equal(tmp_path, 
     assert event["resumed_from"] == 4
   assert restarts(workdir, 1)[0]["cause"] == f"watchdog (exit {watchdog.HUNG})"
   assert resumed_at is not None
+  last_restart = max(restarts(workdir, p)[0]["t"] for p in (0, 1)) - hung_at
+  REPORT.append(f"hang: the last supervisor restarted its child {last_restart:.1f} s after it")
   REPORT.append(
     f"hang: {resumed_at - hung_at:.1f} s from the hang to the job resumed (its first step "
     f"logged after the restart; watchdog_s {WATCHDOG_S})"

@@ -161,6 +161,8 @@ def test_the_progress_file_says_the_step_and_that_the_process_runs(tmp_path, fas
     dog.stop()
   assert record["pid"] == os.getpid() and record["step"] == 7 and record["limit_s"] == 60
   assert 0 <= time.time() - record["t"] < 0.3 and record["step_t"] <= record["t"]
+  # Stopped (the loop has ended): the supervisor is told to stop watching.
+  assert watchdog.read_progress(watchdog.progress_path(str(tmp_path), 1))["limit_s"] is None
 
 
 def test_off_watches_and_writes_nothing_and_a_negative_limit_is_refused(tmp_path, fast):
@@ -271,6 +273,17 @@ def test_a_child_whose_step_stands_still_past_its_limit_is_killed(tmp_path, quic
   assert run(script, tmp_path, restarts=0) == 128 + signal.SIGKILL
   (name,) = os.listdir(tmp_path / "hangs")
   assert "no progress for" in (tmp_path / "hangs" / name).read_text()
+
+
+def test_a_child_whose_loop_has_ended_is_not_watched(tmp_path, quick):
+  # Its watchdog has stopped (limit_s None): its silence while it saves and exits is no stall.
+  script = """
+    os.makedirs(os.path.dirname(PROGRESS), exist_ok=True)
+    record = dict(pid=os.getpid(), process=0, step=3, step_t=0, t=0, limit_s=None)
+    open(PROGRESS, "w").write(json.dumps(record))
+    time.sleep(1)
+  """
+  assert run(script, tmp_path, restarts=0) == 0
 
 
 def test_sigterm_goes_to_the_child_and_nothing_restarts(tmp_path, quick):
