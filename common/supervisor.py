@@ -84,11 +84,11 @@ class Supervisor:
         return code
       made_steps = (self._record() or {}).get("step", 0) > resumed
       backoff = BACKOFF_S if made_steps else min(2 * backoff, BACKOFF_MAX_S)
-      # Every process's watchdog fires about together, process 0's (the coordinator's) exit a
-      # little later: another process's new child must not meet the old coordinator.
+      # Every process's watchdog fires at about the same time, and process 0's may exit a little
+      # later: another process's new child must not meet the old coordinator.
       wait = backoff
       if code == watchdog.HUNG and self.process != 0:
-        wait = max(backoff, watchdog.COORDINATOR_WAIT_S + BACKOFF_S)
+        wait = max(backoff, watchdog.EXIT_WAIT_S + BACKOFF_S)
       now = latest_checkpoint(self.workdir)
       self._record_restart(attempt=attempt + 1, cause=cause, resumed_from=now)
       say(

@@ -34,10 +34,11 @@ AUTO_FACTOR = 10.0
 FIRST_S = 600.0  # allowed on top of the limit for start-up and the first step, and evaluation
 WINDOW = 100  # steps over which the slowest one sets the automatic limit
 TICK_S = 1.0  # how often the thread looks, and rewrites the progress file
-# Process 0 hosts JAX's coordination service, whose end ends every other process at once, before
-# their own watchdogs (whose limits run out about together) have written where they stand: it
+# With several processes, one's exit ends the others at once (their collectives fail on the
+# closed connection; process 0's takes JAX's coordination service with it), before their own
+# watchdogs, whose limits run out at about the same time, have written where they stand: each
 # waits this long between its dump and its exit.
-COORDINATOR_WAIT_S = 5.0
+EXIT_WAIT_S = 5.0
 
 
 def progress_path(workdir: str, process: int) -> str:
@@ -69,7 +70,7 @@ class Watchdog:
         "is taken as hung, 0 (no watchdog) or -1 (scaled to the step time)."
       )
     self.setting, self.workdir, self.process = float(limit_s), workdir, process
-    self.wait_s = COORDINATOR_WAIT_S if process == 0 and processes > 1 else 0.0
+    self.wait_s = EXIT_WAIT_S if processes > 1 else 0.0
     self.on_hang = on_hang or (lambda: os._exit(HUNG))
     self.step, self.steps_seen = 0, 0
     self.last = time.monotonic()  # when the step last advanced (or start-up began)

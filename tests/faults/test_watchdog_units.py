@@ -182,7 +182,7 @@ def test_off_watches_and_writes_nothing_and_a_negative_limit_is_refused(tmp_path
 def quick(monkeypatch):
   monkeypatch.setattr(supervisor, "BACKOFF_S", 0.01)
   monkeypatch.setattr(supervisor, "POLL_S", 0.02)
-  monkeypatch.setattr(watchdog, "COORDINATOR_WAIT_S", 0.0)
+  monkeypatch.setattr(watchdog, "EXIT_WAIT_S", 0.0)
 
 
 def child(script: str, workdir) -> list[str]:
