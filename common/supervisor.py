@@ -120,7 +120,7 @@ class Supervisor:
         self.child.kill()
         self.child.wait()
     if code < 0:
-      return 128 - code, f"signal {-code} ({signal.Signals(-code).name})"
+      return 128 - code, f"signal {-code} ({_signal_name(-code)})"
     if code == watchdog.HUNG:
       return code, f"watchdog (exit {code})"
     return code, f"exit {code}"
@@ -187,6 +187,13 @@ def latest_checkpoint(workdir: str) -> int:
   folder = os.path.join(workdir, "checkpoints")
   steps = [int(n) for n in os.listdir(folder) if n.isdigit()] if os.path.isdir(folder) else []
   return max(steps, default=0)
+
+
+def _signal_name(signum: int) -> str:
+  try:
+    return signal.Signals(signum).name
+  except ValueError:  # a real-time signal
+    return f"SIGRT{signum}"
 
 
 def say(text: str):
