@@ -1,38 +1,51 @@
-"""What the hang watchdog and its progress file cost a training step: `zoo run bench/llama-19m`
-with `train.watchdog_s` at its default (-1: on) and at 0 (off), runs interleaved on/off/on/...
+"""What the hang watchdog and its progress file cost a training step of bench/llama-19m: the same
+compiled step, in one process, in blocks with a watchdog thread running (beaten every step, its
+progress file rewritten every second) and blocks without, interleaved on/off/off/on/...
 
-    python bench/watchdog_overhead.py [--pairs 3] [--steps 25]
+    python bench/watchdog_overhead.py [--rounds 6] [--steps 5]
 
-Prints each run's median step time (from metrics.jsonl's tokens_per_s, the first 5 steps left
-out: compilation), the ratio on/off of the medians over the pairs, and, in-process, what the
-loop's one call (`beat`) and the thread's one tick (writing the progress file) take.
+Prints the median step time of each mode and their ratio, and what the loop's one call (`beat`)
+and the thread's one tick (writing the progress file) take.
 """
 
 import argparse
-import json
+import functools
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-from nnx_zoo.common.train import watchdog
+import jax
+
+from nnx_zoo.common import experiments, tasks
+from nnx_zoo.common.train import optim, trainer, watchdog
+from nnx_zoo.common.train import step as steps
+
+EXP = "bench/llama-19m"
 
 
-def step_times(workdir: str, tokens_per_step: int) -> list[float]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    lines = [json.loads(x) for x in f if '"split"' not in x]
-  return [tokens_per_step / r["tokens_per_s"] for r in lines if r["step"] > 5]
+def train_step(cfg):
+  """The state, the jitted step (as trainer.train builds it for one device) and a batch."""
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  graphdef, state = steps.init_state(cfg, tx)
+  task = tasks.of(cfg)
+  step = functools.partial(
+    steps.train_step, graphdef=graphdef, task=task, tx=tx, loss_chunk=cfg.train.loss_chunk
+  )
+  batch = steps.put_batch(next(trainer.load_data(cfg).iterator), None, task)
+  return state, jax.jit(step, donate_argnums=0), batch
 
 
-def run(exp: str, steps: int, watchdog_s: float, root: str, index: int) -> float:
-  workdir = os.path.join(root, f"run{index}")
-  argv = [sys.executable, "-m", "nnx_zoo.common.cli", "run", exp, "--workdir", workdir, "--quiet"]
-  argv += [f"--config.train.steps={steps}", f"--config.train.watchdog_s={watchdog_s}"]
-  argv += ["--config.train.checkpoint_every=100000"]
-  subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  return statistics.median(step_times(workdir, 8 * 256))
+def block(state, step, batch, *, n: int, dog) -> tuple[object, list[float]]:
+  times = []
+  for i in range(n):
+    start = time.perf_counter()
+    state, metrics = step(state, batch)
+    float(metrics["loss"])  # the trainer's log line syncs every step here (log_every=1)
+    if dog is not None:
+      dog.beat(i)
+    times.append(time.perf_counter() - start)
+  return state, times
 
 
 def in_process() -> tuple[float, float]:
@@ -56,23 +69,34 @@ def in_process() -> tuple[float, float]:
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--exp", default="bench/llama-19m")
-  p.add_argument("--pairs", type=int, default=3)
-  p.add_argument("--steps", type=int, default=25)
+  p.add_argument("--rounds", type=int, default=6)
+  p.add_argument("--steps", type=int, default=5, help="steps a block")
   args = p.parse_args()
+  cfg = experiments.get_config(EXP)
+  state, step, batch = train_step(cfg)
+  state, _ = block(state, step, batch, n=2, dog=None)  # compile, warm up
   times = {"on": [], "off": []}
   with tempfile.TemporaryDirectory() as root:
-    for i in range(args.pairs):
-      for name, value in (("on", -1), ("off", 0)) if i % 2 == 0 else (("off", 0), ("on", -1)):
-        t = run(args.exp, args.steps, value, root, len(times["on"]) + len(times["off"]))
-        times[name].append(t)
-        print(f"pair {i}: watchdog {name:>3}: median step {t * 1e3:.1f} ms", flush=True)
+    for r in range(args.rounds):
+      for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
+        dog = None
+        if mode == "on":
+          dog = watchdog.Watchdog(watchdog.AUTO, workdir=root, process=0).start()
+        state, got = block(state, step, batch, n=args.steps, dog=dog)
+        if dog is not None:
+          dog.stop()
+        times[mode] += got
+      print(
+        f"round {r}: on {statistics.median(times['on']) * 1e3:.1f} ms, off "
+        f"{statistics.median(times['off']) * 1e3:.1f} ms (medians so far)",
+        flush=True,
+      )
   on, off = statistics.median(times["on"]), statistics.median(times["off"])
   print(f"median step: on {on * 1e3:.1f} ms, off {off * 1e3:.1f} ms, on/off {on / off:.4f}")
   beat, write = in_process()
   print(
-    f"in-process: beat {beat * 1e6:.2f} us a step ({beat / off:.1e} of a step); progress "
-    f"file {write * 1e6:.0f} us a second on the watchdog's thread ({write:.1e} of its time)"
+    f"beat {beat * 1e6:.2f} us a step ({beat / off:.1e} of a step); progress file "
+    f"{write * 1e6:.0f} us a second on the watchdog's thread"
   )
 
 
