@@ -14,6 +14,7 @@ zoo show EXP [--memory] [--config.KEY=VALUE ...]  # the resolved config and para
                                                   # --memory: the step's memory on this machine
 zoo plan EXP --topology NAME [--config.KEY=VALUE ...]  # compile for a TPU slice: memory, time
 zoo run  EXP --workdir DIR [--config.KEY=VALUE ...]   # train; resumes if DIR has a checkpoint
+             [--restarts N]                        # rerun it, resuming, when it fails or hangs
 zoo eval EXP --workdir DIR [--config.KEY=VALUE ...]   # held-out loss of DIR's latest checkpoint
 zoo generate --workdir DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
 zoo generate --workdir DIR --audio FILE.wav [--language en --task transcribe]  # a speech
@@ -88,6 +89,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--mesh-rule", help="pick the mesh rule for this hardware name")
     if name == "run":
       s.add_argument("--quiet", action="store_true", help="no progress bar")
+      # A supervisor (common/supervisor.py) runs the trainer as a child and reruns it.
+      s.add_argument("--restarts", type=int, default=0, help="restart a failed or hung run")
     # Several hosts: one process each, as torchrun's flags (docs/parallel.md, "Several hosts").
     s.add_argument("--coordinator", help="HOST:PORT of process 0")
     s.add_argument("--num-processes", type=int)
@@ -384,6 +387,16 @@ def cmd_lm_eval(args, _overrides):
   )
 
 
+def supervise(argv, args) -> int:
+  """`zoo run ... --restarts N`: the run as a supervised child process (no jax here)."""
+  from nnx_zoo.common import supervisor
+
+  if args.restarts < 0:
+    raise UserError(f"--restarts {args.restarts}: give how many times to rerun, 0 or more.")
+  process = supervisor.process_index(args.process_id)
+  return supervisor.supervise(argv, workdir=args.workdir, restarts=args.restarts, process=process)
+
+
 COMMANDS = {
   "list": cmd_list,
   "show": cmd_show,
@@ -438,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(rest)
     if overrides and args.command in ("list", "generate", "convert", "export", "lm-eval"):
       raise UserError(f"`zoo {args.command}` takes no --config overrides.")
+    if args.command == "run" and args.restarts:
+      return supervise(argv, args)
     if args.command != "list":
       start_jax(args.command)
     COMMANDS[args.command](args, overrides)

@@ -31,6 +31,11 @@ TRAIN = {
   # The levers train.fit=auto pulled ("model.remat=full train.loss_chunk=4096"), written into
   # the workdir's config.json and applied again by a resumed run; "": none.
   "fitted": "",
+  # Seconds without a new step after which a process is taken as hung: every thread's stack is
+  # written to WORKDIR/hangs/ and the process exits 75 (common/train/watchdog.py). -1: 10 x the
+  # slowest recent step, at least 300 s; start-up and the first step, and evaluation, get 600 s
+  # more. 0: no watchdog.
+  "watchdog_s": -1.0,
 }
 OPTIM = {
   "lr": 3e-4,

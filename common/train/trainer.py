@@ -21,7 +21,7 @@ from nnx_zoo.common import device_memory, files, mesh, models, parallel, tasks
 from nnx_zoo.common.data import kinds, prepared
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
-from nnx_zoo.common.train import faults, fit, optim
+from nnx_zoo.common.train import faults, fit, inject, optim, watchdog
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.common.train.metrics import MetricsLog
 
@@ -48,6 +48,13 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   # (train.fit="auto") or refused in one line
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
   cfg, step_fn = fit.fitted_step(cfg, tx=tx, layout=layout, example=fit.peek(data.iterator))
+
+  # The hang watchdog (started with the loop) and $NNX_ZOO_INJECT's test faults, checked now
+  process, processes = jax.process_index(), jax.process_count()
+  guard = watchdog.Watchdog(
+    cfg.train.watchdog_s, workdir=workdir, process=process, processes=processes
+  )
+  injected = inject.from_env(workdir, process=process)
 
   # Weights: resumed, fresh, or fresh with init_from's in their place (`start_state`)
   state, _ = start_state(cfg, tx, layout, workdir)
@@ -81,8 +88,10 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   last, t0, since = {}, time.perf_counter(), start
   nonfinite = faults.NonFinite(cfg.train.nonfinite, ckpts)
   signals = faults.Signals().install()  # SIGTERM/SIGINT: finish the step, save, exit
+  guard.start()
   try:
     for step in range(start + 1, cfg.train.steps + 1):
+      injected.at(step)
       batch = task.complete(steps.put_batch(next(data_iter), layout, task), state.params)
       state, metrics = step_fn(state, fit.placed(batch, layout))
       nonfinite.observe(step, metrics)
@@ -105,7 +114,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
       ):
         weights_now = state.params if state.ema is None else state.ema  # train.ema: the average
-        ev = evaluate(weights_now, data, graphdef=graphdef, cfg=cfg, layout=layout, task=task)
+        with guard.allowing():  # the first evaluation compiles
+          ev = evaluate(weights_now, data, graphdef=graphdef, cfg=cfg, layout=layout, task=task)
         log.write(step, ev, split="eval")
         # The loss, and what else the task and data measure (accuracy, word error rate...).
         shown = ", ".join(f"{k} {v:.4f}" for k, v in ev.items() if isinstance(v, float))
@@ -120,7 +130,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
       if stop:
         ckpts.wait()  # on disk before the process ends
         raise signals.preempted(step, ckpts.path)
+      guard.beat(step)
   finally:
+    guard.stop()
     signals.restore()
     bar.close()
     ckpts.wait()

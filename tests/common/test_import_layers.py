@@ -27,7 +27,7 @@ LAYERS = (
   ("tasks",),
   ("train",),
   ("experiments/",),
-  ("experiments", "report", "lm_eval"),
+  ("experiments", "report", "lm_eval", "supervisor"),
   ("plan",),
   ("cli",),
 )
