@@ -14,6 +14,8 @@ zoo show EXP [--config.KEY=VALUE ...]             # the resolved config and para
 zoo plan EXP --topology NAME [--config.KEY=VALUE ...]  # compile for a TPU slice: memory, time
 zoo run  EXP --workdir DIR [--config.KEY=VALUE ...]   # train; resumes if DIR has a checkpoint
 zoo eval EXP --workdir DIR [--config.KEY=VALUE ...]   # held-out loss of DIR's latest checkpoint
+zoo goodput --workdir DIR [--json] [--process I]  # the run's wall time over every attempt:
+             goodput, badput by cause, step-time deviation (docs/goodput.md)
 zoo generate --workdir DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
 zoo generate --workdir DIR --audio FILE.wav [--language en --task transcribe]  # a speech
              model's transcript (a speech run, or a converted Whisper checkpoint), window by
@@ -85,6 +87,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--coordinator", help="HOST:PORT of process 0")
     s.add_argument("--num-processes", type=int)
     s.add_argument("--process-id", type=int)
+  good = sub.add_parser("goodput")
+  good.add_argument("--workdir", required=True)
+  good.add_argument("--json", action="store_true", help="the figures as one JSON object")
+  good.add_argument("--process", type=int, help="whose events (default: the lowest index)")
   gen = sub.add_parser("generate")
   gen.add_argument("--workdir", required=True)
   what = gen.add_mutually_exclusive_group()  # a language model's prompt, or a speech model's WAV
@@ -272,6 +278,13 @@ def cmd_eval(args, overrides):
   print(json.dumps({"step": step, "split": "eval", **result}))
 
 
+def cmd_goodput(args, _overrides):
+  from nnx_zoo.common.train import goodput
+
+  result = goodput.summary(args.workdir, process=args.process)
+  print(json.dumps(result) if args.json else goodput.format(result, args.workdir))
+
+
 def cmd_generate(args, _overrides):
   """What the run's task makes: text for a prompt, a transcript of --audio, images of
   --labels (common/tasks/)."""
@@ -363,6 +376,7 @@ COMMANDS = {
   "plan": cmd_plan,
   "run": cmd_run,
   "eval": cmd_eval,
+  "goodput": cmd_goodput,
   "generate": cmd_generate,
   "chat": cmd_chat,
   "data": cmd_data,
@@ -409,9 +423,16 @@ def main(argv: list[str] | None = None) -> int:
   try:
     rest, overrides = split_overrides(argv)
     args = parser().parse_args(rest)
-    if overrides and args.command in ("list", "generate", "convert", "export", "lm-eval"):
+    if overrides and args.command in (
+      "list",
+      "goodput",
+      "generate",
+      "convert",
+      "export",
+      "lm-eval",
+    ):
       raise UserError(f"`zoo {args.command}` takes no --config overrides.")
-    if args.command != "list":
+    if args.command not in ("list", "goodput"):  # goodput reads files only
       start_jax(args.command)
     COMMANDS[args.command](args, overrides)
   except UserError as e:

@@ -1,0 +1,171 @@
+"""The run's timeline: each process appends what it does, when, to WORKDIR/events/p{I}.jsonl
+(`zoo goodput` reads it back: common/train/goodput.py).
+
+Every line is {"t": time.time(), "event", "process", "attempt", ...fields}; `attempt` is unique
+to one start of the process. The events: start (with `started`, the process's own start time),
+backend (JAX's devices are up), restore (step, seconds; step 0: a fresh state), compile (what,
+seconds: every trace, lowering and XLA compilation JAX reports), step (step, start, seconds, data:
+the seconds of it spent waiting for the batch), checkpoint (step, seconds, kind), eval (step,
+seconds), end (how: "finished", "preempted" or "failed").
+
+Writing costs a json.dumps and a buffered write per step; the file is flushed at most once a
+second for step and compile lines and at once for the rest, so a kill loses at most the last
+second of steps (`zoo goodput` counts the time after a process's last line as downtime).
+"""
+
+import contextlib
+import json
+import os
+import threading
+import time
+
+import jax
+
+# JAX's own timings of the work that turns a function into a program (jax._src.dispatch).
+COMPILE_EVENTS = {
+  "/jax/core/compile/jaxpr_trace_duration": "trace",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+  "/jax/core/compile/backend_compile_duration": "compile",
+}
+FLUSH_EVERY_S = 1.0
+
+
+_current: "Events | None" = None  # the run's events, which JAX's compilations are recorded in
+_listening = False
+
+
+def _listen(events: "Events | None"):
+  """Sends JAX's compilation timings to `events` from now on (None: nowhere). One listener for
+  the process, registered once: a run that stops before its end leaves nothing behind."""
+  global _current, _listening
+  _current = events
+  if not _listening:
+    jax.monitoring.register_event_time_span_listener(_on_compile)
+    _listening = True
+
+
+def _on_compile(event: str, start: float, end: float, **kwargs):
+  what = COMPILE_EVENTS.get(event)
+  events = _current
+  if what is not None and events is not None:
+    name = kwargs.get("fun_name", "")
+    events.record("compile", flush=False, t=end, what=what, name=name, seconds=end - start)
+
+
+def directory(workdir: str) -> str:
+  return os.path.join(workdir, "events")
+
+
+def process_started() -> float:
+  """When this process began (Linux: /proc's start time), so the interpreter's and the imports'
+  time counts as start-up; elsewhere, when this module was imported."""
+  try:
+    with open("/proc/self/stat") as f:
+      ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time since boot
+    with open("/proc/stat") as f:
+      boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+  except (OSError, ValueError, StopIteration, IndexError):
+    return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
+class Events:
+  """This process's event file. Lines wait in memory until `open` (once the workdir is known
+  to be the run's: a refused run writes nothing), then go to the file."""
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(directory(workdir), f"p{jax.process_index()}.jsonl")
+    self.process = jax.process_index()
+    self.attempt = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    self.file = None
+    self.pending: list[str] = []
+    self.flushed = 0.0
+    self.lock = threading.Lock()  # JAX reports compilations from any thread
+    self.carved = 0.0  # seconds of timed events (eval, checkpoint) since the last step's end
+    self.step_t0 = self.data_t1 = self.busy_t1 = self.last_end = None
+    self.window: list[float] = []  # each step's own seconds since `take_window` (stragglers)
+    self.record("start", started=process_started())
+    _listen(self)
+
+  def record(self, event: str, *, flush: bool = True, t: float | None = None, **fields):
+    line = json.dumps(
+      {
+        "t": time.time() if t is None else t,
+        "event": event,
+        "process": self.process,
+        "attempt": self.attempt,
+        **fields,
+      }
+    )
+    with self.lock:
+      if self.file is None:
+        self.pending.append(line)
+        return
+      self.file.write(line + "\n")
+      now = time.monotonic()
+      if flush or now - self.flushed >= FLUSH_EVERY_S:
+        self.file.flush()
+        self.flushed = now
+
+  def open(self):
+    """Starts writing (the lines kept so far first)."""
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    with self.lock:
+      self.file = open(self.path, "a")  # noqa: SIM115 (kept open for the run)
+      self.file.writelines(line + "\n" for line in self.pending)
+      self.file.flush()
+      self.pending = []
+
+  def close(self, how: str):
+    self.record("end", how=how)
+    _listen(None)
+    with self.lock:
+      if self.file is not None:
+        self.file.close()
+        self.file = None
+
+  @contextlib.contextmanager
+  def timed(self, event: str, **fields):
+    """Records `event` with the seconds the block took (checkpoint saves, evaluations)."""
+    t0 = time.time()
+    yield
+    seconds = time.time() - t0
+    self.carved += seconds
+    self.record(event, seconds=seconds, **fields)
+
+  # The loop's marks, in order: step_start, data_ready, (busy), step_end
+
+  def step_start(self):
+    self.step_t0 = time.time()
+
+  def data_ready(self):
+    self.data_t1 = time.time()
+
+  def busy(self):
+    """After a call that may wait for the devices (the step's dispatch, the logged metrics'
+    fetch): the time up to here is not this process's own (`own`)."""
+    self.busy_t1 = time.time()
+
+  def step_end(self, step: int):
+    """Records the step: from `step_start` to now, `data` of it waiting for the batch. This
+    process's own seconds since the last step's end (less the time it waited for the devices,
+    up to the last `busy`, and the timed events) go to the straggler check's window: whatever
+    else a slow host does in the loop counts, wherever it does it."""
+    now = time.time()
+    data = self.data_t1 - self.step_t0
+    waited = max((self.busy_t1 or self.data_t1) - self.data_t1, 0.0)
+    begin = self.step_t0 if self.last_end is None else self.last_end
+    self.window.append(now - begin - waited - self.carved)
+    self.last_end, self.carved = now, 0.0
+    self.record(
+      "step", flush=False, t=now, step=step, start=self.step_t0, seconds=now - self.step_t0,
+      data=data,
+    )  # fmt: skip
+    self.busy_t1 = None
+
+  def take_window(self) -> list[float]:
+    window, self.window = self.window, []
+    return window
