@@ -8,9 +8,10 @@ seconds: every trace, lowering and XLA compilation JAX reports), step (step, sta
 the seconds of it spent waiting for the batch), checkpoint (step, seconds, kind), eval (step,
 seconds), end (how: "finished", "preempted" or "failed").
 
-Writing costs a json.dumps and a buffered write per step; the file is flushed at most once a
-second for step and compile lines and at once for the rest, so a kill loses at most the last
-second of steps (`zoo goodput` counts the time after a process's last line as downtime).
+Writing costs a json.dumps and one write(2) per line (a few microseconds: every line is flushed),
+so a kill loses at most the line being written, and `zoo goodput` still sees every step the
+killed attempt did (the steps it must count as done again). The time after an attempt's last
+line is downtime.
 """
 
 import contextlib
@@ -27,7 +28,6 @@ COMPILE_EVENTS = {
   "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
   "/jax/core/compile/backend_compile_duration": "compile",
 }
-FLUSH_EVERY_S = 1.0
 
 
 _current: "Events | None" = None  # the run's events, which JAX's compilations are recorded in
@@ -49,7 +49,7 @@ def _on_compile(event: str, start: float, end: float, **kwargs):
   events = _current
   if what is not None and events is not None:
     name = kwargs.get("fun_name", "")
-    events.record("compile", flush=False, t=end, what=what, name=name, seconds=end - start)
+    events.record("compile", t=end, what=what, name=name, seconds=end - start)
 
 
 def directory(workdir: str) -> str:
@@ -57,15 +57,16 @@ def directory(workdir: str) -> str:
 
 
 def process_started() -> float:
-  """When this process began (Linux: /proc's start time), so the interpreter's and the imports'
-  time counts as start-up; elsewhere, when this module was imported."""
+  """When this process began (Linux: /proc's start time, to 10 ms), so the interpreter's and the
+  imports' time counts as start-up; elsewhere, when this module was imported."""
   try:
     with open("/proc/self/stat") as f:
       ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time since boot
-    with open("/proc/stat") as f:
-      boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
-  except (OSError, ValueError, StopIteration, IndexError):
+    with open("/proc/uptime") as f:
+      uptime = float(f.read().split()[0])
+    # Not /proc/stat's btime: it is rounded to the second.
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+  except (OSError, ValueError, IndexError):
     return _IMPORTED
 
 
@@ -82,7 +83,6 @@ class Events:
     self.attempt = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     self.file = None
     self.pending: list[str] = []
-    self.flushed = 0.0
     self.lock = threading.Lock()  # JAX reports compilations from any thread
     self.carved = 0.0  # seconds of timed events (eval, checkpoint) since the last step's end
     self.step_t0 = self.data_t1 = self.busy_t1 = self.last_end = None
@@ -90,7 +90,7 @@ class Events:
     self.record("start", started=process_started())
     _listen(self)
 
-  def record(self, event: str, *, flush: bool = True, t: float | None = None, **fields):
+  def record(self, event: str, *, t: float | None = None, **fields):
     line = json.dumps(
       {
         "t": time.time() if t is None else t,
@@ -105,10 +105,7 @@ class Events:
         self.pending.append(line)
         return
       self.file.write(line + "\n")
-      now = time.monotonic()
-      if flush or now - self.flushed >= FLUSH_EVERY_S:
-        self.file.flush()
-        self.flushed = now
+      self.file.flush()
 
   def open(self):
     """Starts writing (the lines kept so far first)."""
@@ -161,7 +158,7 @@ class Events:
     self.window.append(now - begin - waited - self.carved)
     self.last_end, self.carved = now, 0.0
     self.record(
-      "step", flush=False, t=now, step=step, start=self.step_t0, seconds=now - self.step_t0,
+      "step", t=now, step=step, start=self.step_t0, seconds=now - self.step_t0,
       data=data,
     )  # fmt: skip
     self.busy_t1 = None

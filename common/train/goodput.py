@@ -86,9 +86,14 @@ def _end(lines: list[dict]) -> float:
   return max(x["t"] for x in lines)
 
 
-def _spans(attempt: list[dict], wasted: set[int]) -> list[tuple[float, float, str]]:
-  """The labelled intervals of one attempt; `wasted`: the ids of its step lines redone later."""
+def _spans(
+  attempt: list[dict], wasted: set[int], *, after: float | None = None
+) -> list[tuple[float, float, str]]:
+  """The labelled intervals of one attempt, from its start (not before `after`) to its last
+  line; `wasted`: the ids of its step lines done again later."""
   begin, end = _begin(attempt), _end(attempt)
+  if after is not None:
+    begin = max(begin, after)
   out = [(begin, end, "other")]
   backend = next((x["t"] for x in attempt if x["event"] == "backend"), None)
   steps = [x for x in attempt if x["event"] == "step"]
@@ -110,7 +115,8 @@ def _spans(attempt: list[dict], wasted: set[int]) -> list[tuple[float, float, st
       out.append((x["t"] - x["seconds"], x["t"], "checkpoint_restore"))
     elif kind == "eval":
       out.append((x["t"] - x["seconds"], x["t"], "eval"))
-  return [(lo, min(hi, end), label) for lo, hi, label in out if min(hi, end) > lo]
+  clipped = [(max(lo, begin), min(hi, end), label) for lo, hi, label in out]
+  return [(lo, hi, label) for lo, hi, label in clipped if hi > lo]
 
 
 def split(spans: list[tuple[float, float, str]]) -> dict[str, float]:
@@ -167,10 +173,13 @@ def of_attempts(runs: list[list[dict]]) -> dict:
   wasted = {id(x) for x in instances if last[x["step"]] != id(x)}
   seconds = dict.fromkeys((*LABELS, "downtime"), 0.0)
   for i, run in enumerate(runs):
-    for label, value in split(_spans(run, wasted)).items():
+    # One process's attempts follow each other: a start time read a little early (a clock
+    # step) is taken as the previous attempt's end.
+    after = _end(runs[i - 1]) if i else None
+    for label, value in split(_spans(run, wasted, after=after)).items():
       seconds[label] += value
     if i:
-      seconds["downtime"] += max(_begin(run) - _end(runs[i - 1]), 0.0)
+      seconds["downtime"] += max(_begin(run) - after, 0.0)
   wall = _end(runs[-1]) - _begin(runs[0]) if runs else 0.0
   productive = [x for x in instances if id(x) not in wasted]
   return {
