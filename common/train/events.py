@@ -84,9 +84,8 @@ class Events:
     self.file = None
     self.pending: list[str] = []
     self.lock = threading.Lock()  # JAX reports compilations from any thread
-    self.carved = 0.0  # seconds of timed events (eval, checkpoint) since the last step's end
-    self.step_t0 = self.data_t1 = self.busy_t1 = self.last_end = None
-    self.window: list[float] = []  # each step's own seconds since `take_window` (stragglers)
+    self.step_t0 = self.data_t1 = None
+    self.window: list[float] = []  # when each step was dispatched, since `take_window`
     self.record("start", started=process_started())
     _listen(self)
 
@@ -129,40 +128,28 @@ class Events:
     """Records `event` with the seconds the block took (checkpoint saves, evaluations)."""
     t0 = time.time()
     yield
-    seconds = time.time() - t0
-    self.carved += seconds
-    self.record(event, seconds=seconds, **fields)
+    self.record(event, seconds=time.time() - t0, **fields)
 
-  # The loop's marks, in order: step_start, data_ready, (busy), step_end
+  # The loop's marks, in order: step_start, data_ready, step_end
 
   def step_start(self):
     self.step_t0 = time.time()
 
   def data_ready(self):
+    """The batch is on its way to the devices and the step is dispatched next: when, for the
+    straggler check (common/train/stragglers.py), which compares the processes' times of it."""
     self.data_t1 = time.time()
-
-  def busy(self):
-    """After a call that may wait for the devices (the step's dispatch, the logged metrics'
-    fetch): the time up to here is not this process's own (`own`)."""
-    self.busy_t1 = time.time()
+    self.window.append(self.data_t1)
 
   def step_end(self, step: int):
-    """Records the step: from `step_start` to now, `data` of it waiting for the batch. This
-    process's own seconds since the last step's end (less the time it waited for the devices,
-    up to the last `busy`, and the timed events) go to the straggler check's window: whatever
-    else a slow host does in the loop counts, wherever it does it."""
+    """Records the step: from `step_start` to now, `data` of it waiting for the batch."""
     now = time.time()
-    data = self.data_t1 - self.step_t0
-    waited = max((self.busy_t1 or self.data_t1) - self.data_t1, 0.0)
-    begin = self.step_t0 if self.last_end is None else self.last_end
-    self.window.append(now - begin - waited - self.carved)
-    self.last_end, self.carved = now, 0.0
     self.record(
       "step", t=now, step=step, start=self.step_t0, seconds=now - self.step_t0,
-      data=data,
+      data=self.data_t1 - self.step_t0,
     )  # fmt: skip
-    self.busy_t1 = None
 
   def take_window(self) -> list[float]:
+    """The times of `data_ready` since the last call."""
     window, self.window = self.window, []
     return window

@@ -17,11 +17,11 @@ TRAIN = {
   # save (process 0's clock; with several processes, asked every log_every steps), kept only
   # until the next permanent one: a kill loses at most about this much work. 0: off.
   "checkpoint_minutes": 0.0,
-  # Several processes: every log_every steps they share their own time per step (less the
-  # time spent waiting for the devices); one whose robust score, (its time - the others'
-  # median) / max(1.4826 x their MAD, 10% of their median), exceeds straggler_threshold in
-  # straggler_windows windows in a row is named (a warning, `stragglers` in metrics.jsonl).
-  # 0: no check.
+  # Several processes: every log_every steps they share when each dispatched each step; one
+  # whose mean lateness (after the earliest process) scores over straggler_threshold, as (its
+  # lateness - the others' median) / max(1.4826 x their MAD, 10% of a step), in
+  # straggler_windows logged windows in a row is named (a warning, `stragglers` in
+  # metrics.jsonl; common/train/stragglers.py). 0: no check.
   "straggler_threshold": 3.0,
   "straggler_windows": 3,
   "nonfinite": "skip",  # a NaN/inf loss or gradient: skip that update and count it, or "stop"

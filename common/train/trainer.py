@@ -94,11 +94,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
       ev.data_ready()
       batch = task.complete(batch, state.params)
       state, metrics = step_fn(state, batch)
-      ev.busy()
       nonfinite.observe(step, metrics)
       if step % cfg.train.log_every == 0 or step == cfg.train.steps:
         metrics = {k: float(v) for k, v in metrics.items()}
-        ev.busy()
         metrics["skipped"] = nonfinite.take()  # since the last line; "stop" raises here
         elapsed = time.perf_counter() - t0
         metrics["tokens_per_s"] = (step - since) * tokens_per_step / elapsed

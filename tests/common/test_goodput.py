@@ -171,22 +171,15 @@ def test_lines_wait_for_the_workdir_then_reach_the_file(tmp_path):
   assert start["started"] <= start["t"] and len({start["attempt"]}) == 1
 
 
-def test_own_time_leaves_out_the_wait_for_the_devices(tmp_path):
-  """A step's own time (the stragglers' measure): what the host did between two step ends,
-  less the time between the batch and the last `busy` mark, and less the timed events."""
+def test_the_straggler_window_holds_each_steps_dispatch_time(tmp_path):
   ev = events.Events(str(tmp_path))
-  for _ in range(2):
-    time.sleep(0.05)  # the host's own work before the step (a slow host: anywhere in the loop)
+  before = time.time()
+  for n in (1, 2):
     ev.step_start()
     ev.data_ready()
-    time.sleep(0.1)  # waiting for the devices
-    ev.busy()
-    ev.step_end(1)
-    with ev.timed("checkpoint", step=1, kind="permanent"):
-      time.sleep(0.05)
-  own = ev.take_window()
-  assert own[0] == pytest.approx(0.0, abs=0.02)  # the first: from its own start
-  assert own[1] == pytest.approx(0.05, abs=0.02)  # the sleep before it, not the checkpoint
+    ev.step_end(n)
+  window = ev.take_window()
+  assert len(window) == 2 and before <= window[0] <= window[1] <= time.time()
   assert ev.take_window() == []
   events._listen(None)
 
@@ -241,8 +234,8 @@ def kill_after(proc, workdir, k: int, saved: int):
 @pytest.mark.slow
 def test_a_killed_and_rerun_run_names_the_steps_done_again(tmp_path):
   """SIGKILL after step 6 or later, once the checkpoint of step 4 is complete, and rerun by
-  hand: the steps logged twice in metrics.jsonl are the steps goodput counts as done again, and its lost
-  progress is those steps' time in the killed attempt (less their data wait)."""
+  hand: the steps logged twice in metrics.jsonl are the steps goodput counts as done again,
+  and its lost progress is those steps' time in the killed attempt (less their data wait)."""
   workdir = str(tmp_path / "run")
   kill_after(zoo_run(workdir), workdir, 6, saved=4)
   proc = zoo_run(workdir)
