@@ -16,6 +16,8 @@ zoo plan EXP --topology NAME [--config.KEY=VALUE ...]  # compile for a TPU slice
 zoo run  EXP --workdir DIR [--config.KEY=VALUE ...]   # train; resumes if DIR has a checkpoint
              [--restarts N]                        # rerun it, resuming, when it fails or hangs
 zoo eval EXP --workdir DIR [--config.KEY=VALUE ...]   # held-out loss of DIR's latest checkpoint
+zoo goodput --workdir DIR [--json] [--process I]  # the run's wall time over every attempt:
+             goodput, badput by cause, step-time deviation (docs/goodput.md)
 zoo generate --workdir DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
 zoo generate --workdir DIR --audio FILE.wav [--language en --task transcribe]  # a speech
              model's transcript (a speech run, or a converted Whisper checkpoint), window by
@@ -95,6 +97,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--coordinator", help="HOST:PORT of process 0")
     s.add_argument("--num-processes", type=int)
     s.add_argument("--process-id", type=int)
+  good = sub.add_parser("goodput")
+  good.add_argument("--workdir", required=True)
+  good.add_argument("--json", action="store_true", help="the figures as one JSON object")
+  good.add_argument("--process", type=int, help="whose events (default: the lowest index)")
   gen = sub.add_parser("generate")
   gen.add_argument("--workdir", required=True)
   what = gen.add_mutually_exclusive_group()  # a language model's prompt, or a speech model's WAV
@@ -301,6 +307,13 @@ def cmd_eval(args, overrides):
   print(json.dumps({"step": step, "split": "eval", **result}))
 
 
+def cmd_goodput(args, _overrides):
+  from nnx_zoo.common.train import goodput
+
+  result = goodput.summary(args.workdir, process=args.process)
+  print(json.dumps(result) if args.json else goodput.format(result, args.workdir))
+
+
 def cmd_generate(args, _overrides):
   """What the run's task makes: text for a prompt, a transcript of --audio, images of
   --labels (common/tasks/)."""
@@ -403,6 +416,7 @@ COMMANDS = {
   "plan": cmd_plan,
   "run": cmd_run,
   "eval": cmd_eval,
+  "goodput": cmd_goodput,
   "generate": cmd_generate,
   "chat": cmd_chat,
   "data": cmd_data,
@@ -449,11 +463,18 @@ def main(argv: list[str] | None = None) -> int:
   try:
     rest, overrides = split_overrides(argv)
     args = parser().parse_args(rest)
-    if overrides and args.command in ("list", "generate", "convert", "export", "lm-eval"):
+    if overrides and args.command in (
+      "list",
+      "goodput",
+      "generate",
+      "convert",
+      "export",
+      "lm-eval",
+    ):
       raise UserError(f"`zoo {args.command}` takes no --config overrides.")
     if args.command == "run" and args.restarts:
       return supervise(argv, args)
-    if args.command != "list":
+    if args.command not in ("list", "goodput"):  # goodput reads files only
       start_jax(args.command)
     COMMANDS[args.command](args, overrides)
   except UserError as e:

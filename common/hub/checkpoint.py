@@ -7,6 +7,11 @@ renames it when complete, so a half-written step is never listed as the latest; 
 directory a killed save leaves is removed at the next start. Old steps are garbage-collected only
 after a newer one is complete. A step whose files are damaged is found at restore, set aside as
 `<step>.damaged`, and the newest good one used instead.
+
+A temporary step (`train.checkpoint_minutes`: saved for the time since the last save, not for its
+step number; its meta says `"checkpoint": "temporary"`) is kept until a newer permanent one is
+complete, and never counts against `keep`: the newest complete step, of either kind, is always
+the one a rerun resumes from.
 """
 
 import dataclasses
@@ -14,6 +19,7 @@ import glob
 import json
 import os
 import shutil
+import time
 
 import grain
 import jax
@@ -36,24 +42,41 @@ class Checkpoints:
     self.read_only = read_only
     if not read_only:
       remove_unfinished(self.path)
+    # The temporary steps already on disk (an earlier attempt's), then those saved here.
+    self.temporary = {step for step in _steps(self.path) if _is_temporary(self.path, step)}
     self.manager = ocp.CheckpointManager(
       self.path,
       options=ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
+        preservation_policy=KeepPermanent(keep, self.temporary),
         create=not read_only,
         read_only=read_only,
         enable_async_checkpointing=not read_only,
       ),
     )
+    self.saved_at = time.monotonic()  # the last save's start (train.checkpoint_minutes)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def save(self, step: int, state, *, data_iterator=None, meta: dict, force: bool = False):
-    """`data_iterator` None: no data item (a `zoo convert` checkpoint, which holds params only)."""
+  def save(
+    self,
+    step: int,
+    state,
+    *,
+    data_iterator=None,
+    meta: dict,
+    force: bool = False,
+    temporary: bool = False,
+  ):
+    """`data_iterator` None: no data item (a `zoo convert` checkpoint, which holds params only).
+    `temporary`: kept only until a newer permanent step is complete (the module's docstring)."""
+    if temporary:
+      meta = {**meta, "checkpoint": "temporary"}
+      self.temporary.add(step)
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
     if data_iterator is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+    self.saved_at = time.monotonic()
     self.manager.save(step, args=ocp.args.Composite(**items), force=force)
 
   def restore(self, step: int, abstract_state, *, data_iterator=None):
@@ -178,6 +201,35 @@ class Checkpoints:
 
   def close(self):
     self.manager.close()
+
+
+@dataclasses.dataclass
+class KeepPermanent:
+  """Orbax's preservation policy for the zoo's steps: the newest `keep` permanent ones (all of
+  them where `keep` is 0 or None), and every temporary one newer than the newest permanent."""
+
+  keep: int | None
+  temporary: set
+
+  def should_preserve(self, checkpoints, *, context) -> list[bool]:
+    steps = [c.step for c in checkpoints]
+    permanent = sorted(s for s in steps if s not in self.temporary)
+    kept = set(permanent[-self.keep :] if self.keep else permanent)
+    newest = permanent[-1] if permanent else -1
+    return [s in kept or (s in self.temporary and s > newest) for s in steps]
+
+
+def _steps(path: str) -> list[int]:
+  return sorted(int(n) for n in os.listdir(path) if n.isdigit()) if os.path.isdir(path) else []
+
+
+def _is_temporary(path: str, step: int) -> bool:
+  """Whether the meta of `step` marks it temporary (a step whose meta does not read is not)."""
+  try:
+    with open(os.path.join(path, str(step), "meta", "metadata")) as f:
+      return json.load(f).get("checkpoint") == "temporary"
+  except (OSError, ValueError, AttributeError):
+    return False
 
 
 def restore_iterator(path: str, iterator):

@@ -27,6 +27,13 @@ class MetricsLog:
       if isinstance(v, int | float):  # a label ("weights": "init_from") is for the JSON only
         self.tb.add_scalar(f"{split}/{k}", v, step)
 
+  def scalars(self, step: int, values: dict, *, prefix: str):
+    """TensorBoard only: a summary of the run (its goodput), not a line of metrics.jsonl."""
+    if not self.active:
+      return
+    for k, v in values.items():
+      self.tb.add_scalar(f"{prefix}/{k}", v, step)
+
   def close(self):
     if self.active:
       self.file.close()

@@ -13,6 +13,17 @@ TRAIN = {
   "eval_batches": 0,  # 0: every held-out batch
   "checkpoint_every": 1000,
   "keep_checkpoints": 3,
+  # > 0: also save a temporary checkpoint when this many minutes have passed since the last
+  # save (process 0's clock; with several processes, asked every log_every steps), kept only
+  # until the next permanent one: a kill loses at most about this much work. 0: off.
+  "checkpoint_minutes": 0.0,
+  # Several processes: every log_every steps they share when each dispatched each step; one
+  # whose mean lateness (after the earliest process) scores over straggler_threshold, as (its
+  # lateness - the others' median) / max(1.4826 x their MAD, 10% of a step), in
+  # straggler_windows logged windows in a row is named (a warning, `stragglers` in
+  # metrics.jsonl; common/train/stragglers.py). 0: no check.
+  "straggler_threshold": 3.0,
+  "straggler_windows": 3,
   "nonfinite": "skip",  # a NaN/inf loss or gradient: skip that update and count it, or "stop"
   "micro_batches": 1,  # gradient accumulation: the batch run in this many slices
   # mesh.pipeline > 1: each slice's rows cut into this many micro-batches that the stages pass

@@ -21,7 +21,17 @@ from nnx_zoo.common import device_memory, files, mesh, models, parallel, tasks
 from nnx_zoo.common.data import kinds, prepared
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
-from nnx_zoo.common.train import faults, fit, inject, optim, watchdog
+from nnx_zoo.common.train import (
+  events,
+  faults,
+  fit,
+  goodput,
+  inject,
+  optim,
+  stragglers,
+  wallclock,
+  watchdog,
+)
 from nnx_zoo.common.train import step as steps
 from nnx_zoo.common.train.metrics import MetricsLog
 
@@ -33,8 +43,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
 
   # Layout: a mesh that does not fit is refused before anything is read or written; so is a
   # workdir that holds a run of another model or data (resumed with the levers train.fit chose
-  # for it), and data that does not fit the model (its tokenizer, its chat template).
+  # for it), and data that does not fit the model (its tokenizer, its chat template). The run's
+  # timeline (events/, for `zoo goodput`) is kept in memory until the workdir is written.
+  ev = events.Events(workdir)
   layout = experiment_layout(cfg)
+  ev.record("backend")
   cfg = fit.resumed(cfg, workdir)
   check_workdir(cfg, workdir)
   kinds.check(cfg)
@@ -57,11 +70,14 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   injected = inject.from_env(workdir, process=process)
 
   # Weights: resumed, fresh, or fresh with init_from's in their place (`start_state`)
+  t0 = time.time()
   state, _ = start_state(cfg, tx, layout, workdir)
+  ev.record("restore", step=int(state.step), seconds=time.time() - t0)
 
   # The workdir: config.json, the first file written, and the checkpoints
   write_config(cfg, workdir)
   ckpts = checkpoint.Checkpoints(workdir, keep=cfg.train.keep_checkpoints)
+  ev.open()
   start = int(state.step)
   if start:
     ckpts.restore_data(start, data.iterator)
@@ -88,11 +104,19 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   last, t0, since = {}, time.perf_counter(), start
   nonfinite = faults.NonFinite(cfg.train.nonfinite, ckpts)
   signals = faults.Signals().install()  # SIGTERM/SIGINT: finish the step, save, exit
+  clock = wallclock.CheckpointClock(
+    cfg.train.checkpoint_minutes, every=cfg.train.log_every, ckpts=ckpts
+  )
+  straggling = stragglers.Monitor(cfg.train, ev)
+  how = "failed"
   guard.start()
   try:
     for step in range(start + 1, cfg.train.steps + 1):
       injected.at(step)
-      batch = task.complete(steps.put_batch(next(data_iter), layout, task), state.params)
+      ev.step_start()
+      batch = steps.put_batch(next(data_iter), layout, task)
+      ev.data_ready()
+      batch = task.complete(batch, state.params)
       state, metrics = step_fn(state, fit.placed(batch, layout))
       nonfinite.observe(step, metrics)
       if step % cfg.train.log_every == 0 or step == cfg.train.steps:
@@ -103,40 +127,59 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         metrics["examples_per_s"] = (step - since) * cfg.train.batch_size / elapsed
         metrics["lr"] = float(lr_at(step - 1))
         metrics.update(task.step_metrics())  # what the task measured on the host (grpo)
+        metrics.update(straggling.check(step))  # several processes: who is slow, if anyone
         t0, since = time.perf_counter(), step
         log.write(step, metrics)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
         last = metrics
       bar.update(1)
+      ev.step_end(step)
       if (
         data.eval is not None
         and cfg.train.eval_every
         and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
       ):
         weights_now = state.params if state.ema is None else state.ema  # train.ema: the average
-        with guard.allowing():  # the first evaluation compiles
-          ev = evaluate(weights_now, data, graphdef=graphdef, cfg=cfg, layout=layout, task=task)
-        log.write(step, ev, split="eval")
+        with guard.allowing(), ev.timed("eval", step=step):  # the first evaluation compiles
+          held = evaluate(weights_now, data, graphdef=graphdef, cfg=cfg, layout=layout, task=task)
+        log.write(step, held, split="eval")
         # The loss, and what else the task and data measure (accuracy, word error rate...).
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in ev.items() if isinstance(v, float))
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in held.items() if isinstance(v, float))
         bar.write(f"step {step}: eval {shown}")
-        last = {**last, "eval_loss": ev["loss"]}
+        last = {**last, "eval_loss": held["loss"]}
         t0 = time.perf_counter()  # evaluation time is not training throughput
       # Read once per step; with several processes, every one of them stops at the same step.
       stop = signals.stop_after() if step < cfg.train.steps else None
-      if stop or step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
+      # Permanent saves by step number; between them a temporary one when train.checkpoint_minutes
+      # have passed (kept until the next permanent one: common/hub/checkpoint.py).
+      permanent = stop or step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps
+      if permanent or clock.due(step):
         nonfinite.check()  # under "stop", nothing after a non-finite step is saved
-        ckpts.save(step, state, data_iterator=data_iter, meta=meta, force=bool(stop))
+        kind = "permanent" if permanent else "temporary"
+        with ev.timed("checkpoint", step=step, kind=kind):
+          ckpts.save(
+            step,
+            state,
+            data_iterator=data_iter,
+            meta=meta,
+            force=bool(stop),
+            temporary=not permanent,
+          )
       if stop:
         ckpts.wait()  # on disk before the process ends
+        how = "preempted"
         raise signals.preempted(step, ckpts.path)
       guard.beat(step)
+    how = "finished"
   finally:
     guard.stop()
     signals.restore()
     bar.close()
     ckpts.wait()
     ckpts.close()
+    ev.close(how)
+    if how != "failed" and log.active:  # the run's goodput so far, across its attempts
+      log.scalars(cfg.train.steps, goodput.scalars(goodput.summary(workdir)), prefix="goodput")
     log.close()
   return last
 
