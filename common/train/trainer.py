@@ -35,6 +35,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   # workdir that holds a run of another model or data.
   layout = experiment_layout(cfg)
   check_workdir(cfg, workdir)
+  tasks.of(cfg)  # the task's own settings (its section of the config), checked before writing
 
   # Weights: resumed, fresh, or fresh with init_from's in their place (`start_state`)
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
@@ -78,7 +79,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   signals = faults.Signals().install()  # SIGTERM/SIGINT: finish the step, save, exit
   try:
     for step in range(start + 1, cfg.train.steps + 1):
-      batch = task.complete(steps.put_batch(next(data_iter), layout, task), state.params)
+      batch = task.complete_train(steps.put_batch(next(data_iter), layout, task), state.params)
       state, metrics = step_fn(state, batch)
       nonfinite.observe(step, metrics)
       if step % cfg.train.log_every == 0 or step == cfg.train.steps:
