@@ -525,6 +525,7 @@ def write_teacher(
       "top_k": top_k,
       "source": _source_sha(shards, key),
     }
+    want = json.loads(json.dumps(want))  # as read back (tuples as lists)
     if _teacher_entry(shards, key) != want:
       todo.append((key, want))
   total = sum(
