@@ -195,6 +195,12 @@ def check_settings(s, cfg):
       f"distill.max_new_tokens={s.max_new_tokens}: on-policy replies take 1 or more of a row's "
       f"data.seq_len={cfg.data.seq_len} tokens, and leave some to the prompt."
     )
+  fmt = cfg.data.get("format", "text")
+  if fmt not in ("text", "chat"):
+    raise UserError(
+      f"The distill task learns the teacher's next-token distributions over rows of text or "
+      f"chat: set --config.data.format=chat or text (it is {fmt!r})."
+    )
   for axis in ("context", "pipeline"):
     if int(cfg.get("mesh", {}).get(axis, 1)) > 1:
       raise UserError(
