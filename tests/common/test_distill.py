@@ -19,6 +19,7 @@ from flax import nnx
 
 from nnx_zoo.common import cli, experiments, tasks
 from nnx_zoo.common.data import prepare, prepared
+from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import tiny, weights
 from nnx_zoo.common.tasks import distill, losses
 from nnx_zoo.common.train import optim
@@ -172,17 +173,23 @@ def test_student_layers_are_the_teachers(tmp_path):
   assert weights.select_layers("every:2", 30) == tuple(range(0, 30, 2))
 
 
-def test_prepared_top_k_are_the_teachers_own_log_probs(smoke_cfg, tmp_path):
+@pytest.fixture(scope="module")
+def prepared_dir(smoke_cfg, tmp_path_factory):
+  """The smoke form's data prepared, with its teacher's top-k outputs (one process)."""
+  cfg = smoke_cfg
+  out = str(tmp_path_factory.mktemp("prepared") / "one")
+  prepare.prepare(cfg.data, out, workers=1, progress=False)
+  done = tasks.of(cfg).after_prepare(cfg, out, progress=False)
+  assert done["teacher_sources"] == 2 and done["teacher_top_k"] == cfg.distill.top_k
+  return out
+
+
+def test_prepared_top_k_are_the_teachers_own_log_probs(smoke_cfg, prepared_dir):
   """`zoo data prepare` of a distill experiment: each token's top-k teacher log-probabilities
   and ids, equal to the teacher's own (its forward pass over each document alone) at those ids,
   the ids its k most likely; a rerun redoes nothing."""
-  cfg = smoke_cfg
-  out = str(tmp_path / "prepared")
-  prepare.prepare(cfg.data, out, workers=1, progress=False)
-  task = tasks.of(cfg)
-  done = task.after_prepare(cfg, out, progress=False)
-  assert done["teacher_sources"] == 2 and done["teacher_top_k"] == cfg.distill.top_k
-  assert task.after_prepare(cfg, out, progress=False)["teacher_sources"] == 0  # resumed: done
+  cfg, out = smoke_cfg, prepared_dir
+  assert tasks.of(cfg).after_prepare(cfg, out, progress=False)["teacher_sources"] == 0
 
   run = experiments.get_config("chat/distill:smoke", {"data.kind": "prepared", "data.path": out})
   assert prepared.reads_teacher(run)
@@ -207,6 +214,32 @@ def test_prepared_top_k_are_the_teachers_own_log_probs(smoke_cfg, tmp_path):
       np.testing.assert_allclose(got, top, rtol=1e-4, atol=1e-4)
       checked += 1
   assert checked
+
+
+def test_each_host_writes_its_share_of_the_teacher_outputs(smoke_cfg, prepared_dir, tmp_path):
+  """Two hosts (process 0 and 1 of 2) into one directory write what one process writes."""
+  cfg, out = smoke_cfg, str(tmp_path / "two")
+  prepare.prepare(cfg.data, out, workers=1, progress=False)
+  for process in (0, 1):
+    done = tasks.of(cfg).after_prepare(
+      cfg, out, num_processes=2, process_id=process, progress=False
+    )
+    assert done["teacher_sources"] == 1
+  names = sorted(n for n in os.listdir(os.path.join(prepared_dir, "shards")) if "teacher" in n)
+  assert names == sorted(n for n in os.listdir(os.path.join(out, "shards")) if "teacher" in n)
+  for name in names:
+    one, two = (pathlib.Path(d, "shards", name).read_bytes() for d in (prepared_dir, out))
+    assert one == two, name
+
+
+def test_a_run_reads_the_outputs_of_its_own_rows_only(prepared_dir):
+  with pytest.raises(UserError, match="rerun `zoo data prepare`"):
+    prepared.reads_teacher(
+      experiments.get_config(
+        "chat/distill:smoke",
+        {"data.kind": "prepared", "data.path": prepared_dir, "data.seq_len": "64"},
+      )
+    )
 
 
 # Bad input: one line, exit 2, nothing written
@@ -266,15 +299,27 @@ def metrics(workdir) -> list[dict]:
     return [json.loads(line) for line in f]
 
 
+SHARDED = ["--quiet", "--config.train.batch_size=8", "--config.train.steps=2",
+           "--config.train.eval_every=2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("one") / "run"
+  zoo(["run", "chat/distill:smoke", *SHARDED, "--workdir", str(workdir)])
+  return metrics(workdir)
+
+
 @pytest.mark.slow
 @pytest.mark.multidevice
-def test_data_2_fsdp_4_equals_one_device(tmp_path):
-  common = ["chat/distill:smoke", "--quiet", "--config.train.batch_size=8",
-            "--config.train.steps=2", "--config.train.eval_every=2"]  # fmt: skip
-  zoo(["run", *common, "--workdir", str(tmp_path / "one")])
-  zoo(["run", *common, "--workdir", str(tmp_path / "eight"), "--config.mesh.data=2",
-       "--config.mesh.fsdp=4"], devices=8)  # fmt: skip
-  one, eight = metrics(tmp_path / "one"), metrics(tmp_path / "eight")
+@pytest.mark.parametrize("mesh", ["data=2,fsdp=4", "data=2,fsdp=2,tensor=2"])
+def test_sharded_equals_one_device(one_device, tmp_path, mesh):
+  """data 2 x fsdp 4 (and with the vocabulary split over tensor 2) on 8 devices: the teacher
+  placed and split as the student's params are."""
+  sizes = [f"--config.mesh.{kv}" for kv in mesh.split(",")]
+  zoo(["run", "chat/distill:smoke", *SHARDED, "--workdir", str(tmp_path / "eight"), *sizes],
+      devices=8)  # fmt: skip
+  one, eight = one_device, metrics(tmp_path / "eight")
   assert len(one) == len(eight) == 3
   for a, b in zip(one, eight, strict=True):
     # A training line's teacher_kl is the mean of the devices' means (the aux channel's): the
