@@ -180,6 +180,12 @@ def teacher_of(cfg) -> Teacher:
 
 def check_settings(s, cfg):
   """The `distill` section's values, and the mesh it runs on."""
+  fmt = cfg.data.get("format", "text")
+  if fmt not in ("text", "chat"):
+    raise UserError(
+      f"The distill task learns the teacher's next-token distributions over rows of text or "
+      f"chat: set --config.data.format=chat or text (it is {fmt!r})."
+    )
   if s.loss not in losses.DIVERGENCES:
     raise UserError(f"Unknown distill.loss {s.loss!r}: use one of {', '.join(losses.DIVERGENCES)}.")
   for key in ("beta", "alpha", "lmbda"):
@@ -190,16 +196,15 @@ def check_settings(s, cfg):
       raise UserError(f"distill.{key}={s[key]}: give a temperature above 0.")
   if s.top_k < 0:
     raise UserError(f"distill.top_k={s.top_k}: give 1 or more (0: write no teacher outputs).")
+  if s.lmbda and fmt != "chat":
+    raise UserError(
+      f"distill.lmbda={s.lmbda}: the student samples replies to the prompts of chat data; this "
+      "data is text: set data.format=chat, or distill.lmbda=0."
+    )
   if s.lmbda and not 0 < s.max_new_tokens < cfg.data.seq_len:
     raise UserError(
       f"distill.max_new_tokens={s.max_new_tokens}: on-policy replies take 1 or more of a row's "
       f"data.seq_len={cfg.data.seq_len} tokens, and leave some to the prompt."
-    )
-  fmt = cfg.data.get("format", "text")
-  if fmt not in ("text", "chat"):
-    raise UserError(
-      f"The distill task learns the teacher's next-token distributions over rows of text or "
-      f"chat: set --config.data.format=chat or text (it is {fmt!r})."
     )
   for axis in ("context", "pipeline"):
     if int(cfg.get("mesh", {}).get(axis, 1)) > 1:
@@ -308,8 +313,9 @@ class Distill(tasks.Task):
       "optimizer state)"
     ]
     spec = weights.layer_spec(cfg)
+    count = weights.source(cfg.init_from).model.num_layers if spec else 0
     made = (
-      f"made of layers {list(weights.select_layers(spec, t.model.num_layers))} of init_from "
+      f"made of layers {list(weights.select_layers(spec, count))} of init_from's {count} "
       f"(distill.student_layers={spec})"
       if spec
       else "init_from's model"
