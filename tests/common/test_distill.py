@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import cli, experiments, tasks
+from nnx_zoo.common import cli, experiments, models, tasks
 from nnx_zoo.common.data import prepare, prepared
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import tiny, weights
@@ -349,6 +349,34 @@ def test_resume_is_exact(tmp_path):
     for key in ("loss", "teacher_kl", "on_policy", "reply_length", "targets"):
       assert a.get(key) == b.get(key), (key, a, b)
   assert any(m.get("on_policy") == 1.0 for m in metrics(tmp_path / "straight"))
+
+
+def test_on_policy_rows_are_prompt_and_reply_masked_after_the_end_of_turn():
+  """A sampled row: its prompt (up to the first assistant token) as it was, the student's reply
+  after it, weighted, and nothing past the reply's end of turn (segment 0, weight 0)."""
+  cfg = experiments.get_config("chat/smollm2-distill:smoke", {"distill.lmbda": "1.0"})
+  from nnx_zoo.common.train import trainer
+
+  data = trainer.load_data(cfg)
+  task = tasks.of(cfg).prepare(data, cfg=cfg)
+  host = next(data.iterator)
+  params = nnx.state(models.build(cfg.model, seed=0), nnx.Param)
+  rows, _ = task._replies(host, params, seed=3)
+  N, stops = cfg.distill.max_new_tokens, [list(s) for s in task._stops]
+  for r in range(len(host["tokens"])):
+    w = rows["loss_weights"][r]
+    if not w.any():
+      continue
+    start, end = int(np.argmax(w > 0)), int(np.flatnonzero(w)[-1]) + 1
+    first = np.flatnonzero((host["segment_ids"][r] == 1) & (host["loss_weights"][r] > 0))
+    assert start == first[first > 0][0]  # the prompt ends where the first assistant turn starts
+    np.testing.assert_array_equal(rows["tokens"][r, :start], host["tokens"][r, :start])
+    assert (w[start:end] == 1).all() and end - start <= N
+    assert (rows["segment_ids"][r, :end] == 1).all() and not rows["segment_ids"][r, end:].any()
+    assert not rows["tokens"][r, end:].any()
+    reply = rows["tokens"][r, start:end].tolist()
+    ends = [stop for stop in stops if reply[len(reply) - len(stop) :] == stop]
+    assert ends or end - start == N  # cut after its end of turn, or as long as allowed
 
 
 def test_on_policy_draw_is_the_batch_and_seed():
