@@ -130,6 +130,7 @@ def smoke_cfg():
   return experiments.get_config("chat/distill:smoke")
 
 
+@pytest.mark.slow
 def test_teacher_gets_no_gradient_and_no_optimizer_state(smoke_cfg):
   cfg = smoke_cfg
   task = tasks.of(cfg)
@@ -153,7 +154,8 @@ def test_teacher_gets_no_gradient_and_no_optimizer_state(smoke_cfg):
   assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(g_teacher))
   assert any(float(jnp.abs(g).max()) > 0.0 for g in jax.tree.leaves(g_student))
   # The step differentiates the params only: its gradients are the student's tree.
-  sums, grads = steps.sums_and_grads(state.params, batch, graphdef=graphdef, task=task)
+  step = jax.jit(lambda p, b: steps.sums_and_grads(p, b, graphdef=graphdef, task=task))
+  sums, grads = step(state.params, batch)
   assert jax.tree.structure(grads) == jax.tree.structure(state.params)
   assert float(sums["aux"]["teacher_kl"]) > 0
 
@@ -184,6 +186,7 @@ def prepared_dir(smoke_cfg, tmp_path_factory):
   return out
 
 
+@pytest.mark.slow
 def test_prepared_top_k_are_the_teachers_own_log_probs(smoke_cfg, prepared_dir):
   """`zoo data prepare` of a distill experiment: each token's top-k teacher log-probabilities
   and ids, equal to the teacher's own (its forward pass over each document alone) at those ids,
@@ -216,6 +219,7 @@ def test_prepared_top_k_are_the_teachers_own_log_probs(smoke_cfg, prepared_dir):
   assert checked
 
 
+@pytest.mark.slow
 def test_each_host_writes_its_share_of_the_teacher_outputs(smoke_cfg, prepared_dir, tmp_path):
   """Two hosts (process 0 and 1 of 2) into one directory write what one process writes."""
   cfg, out = smoke_cfg, str(tmp_path / "two")
@@ -232,6 +236,7 @@ def test_each_host_writes_its_share_of_the_teacher_outputs(smoke_cfg, prepared_d
     assert one == two, name
 
 
+@pytest.mark.slow
 def test_a_run_reads_the_outputs_of_its_own_rows_only(prepared_dir):
   with pytest.raises(UserError, match="rerun `zoo data prepare`"):
     prepared.reads_teacher(
@@ -351,6 +356,7 @@ def test_resume_is_exact(tmp_path):
   assert any(m.get("on_policy") == 1.0 for m in metrics(tmp_path / "straight"))
 
 
+@pytest.mark.slow
 def test_on_policy_rows_are_prompt_and_reply_masked_after_the_end_of_turn():
   """A sampled row: its prompt (up to the first assistant token) as it was, the student's reply
   after it, weighted, and nothing past the reply's end of turn (segment 0, weight 0)."""
