@@ -466,24 +466,38 @@ def reads_teacher(cfg) -> bool:
   or others: a UserError naming the fix."""
   if cfg.data.kind != "prepared" or "distill" not in cfg or not cfg.distill.top_k:
     return False
+  from nnx_zoo.common.hub import weights
+
   row_len, top_k = cfg.data.seq_len + 1, int(cfg.distill.top_k)
+  teacher = os.path.abspath(weights.locate(cfg.distill.teacher))
   found = set()
   for part in components(cfg.data):
     manifest = prepare.read_manifest(part.path)
     shards = os.path.join(part.path, "shards")
     for source in manifest["sources"]:
       entry = _teacher_entry(shards, source["key"])
-      found.add(None if entry is None else (entry["row_len"], entry["top_k"]))
+      if entry is None:
+        found.add(None)
+        continue
+      # Another teacher's, or outputs of tokens prepared again since: not this run's.
+      same = entry["teacher"]["path"] == teacher and entry["source"] == _source_sha(
+        shards, source["key"]
+      )
+      found.add((entry["row_len"], entry["top_k"], same))
   if found == {None}:
     return False
-  if found != {(row_len, top_k)}:
+  if found != {(row_len, top_k, True)}:
     have = ", ".join(
-      "none" if f is None else f"rows of {f[0]} tokens, top {f[1]}" for f in sorted(found, key=str)
+      "none"
+      if f is None
+      else f"rows of {f[0]} tokens, top {f[1]}"
+      + ("" if f[2] else ", of another teacher or older tokens")
+      for f in sorted(found, key=str)
     )
     raise UserError(
-      f"The prepared data's teacher outputs ({have}) are not all for this run's rows of "
-      f"seq_len + 1 = {row_len} tokens and distill.top_k={top_k}: rerun `zoo data prepare` with "
-      "this experiment's settings."
+      f"The prepared data's teacher outputs ({have}) are not all this run's (its teacher's, for "
+      f"rows of seq_len + 1 = {row_len} tokens and distill.top_k={top_k}): rerun `zoo data "
+      "prepare` with this experiment's settings."
     )
   return True
 

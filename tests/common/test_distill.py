@@ -237,12 +237,16 @@ def test_each_host_writes_its_share_of_the_teacher_outputs(smoke_cfg, prepared_d
 
 
 @pytest.mark.slow
-def test_a_run_reads_the_outputs_of_its_own_rows_only(prepared_dir):
-  with pytest.raises(UserError, match="rerun `zoo data prepare`"):
+@pytest.mark.parametrize(
+  "override,message",
+  [({"data.seq_len": "64"}, "rows of 129 tokens, top 16\\)"),
+   ({"distill.teacher": "tiny:llama"}, "of another teacher")],
+)  # fmt: skip
+def test_a_run_reads_the_outputs_of_its_own_rows_and_teacher_only(prepared_dir, override, message):
+  with pytest.raises(UserError, match=message):
     prepared.reads_teacher(
       experiments.get_config(
-        "chat/distill:smoke",
-        {"data.kind": "prepared", "data.path": prepared_dir, "data.seq_len": "64"},
+        "chat/distill:smoke", {"data.kind": "prepared", "data.path": prepared_dir, **override}
       )
     )
 
