@@ -191,7 +191,7 @@ def cmd_list(_args, _overrides):
 
 
 def cmd_show(args, overrides):
-  from nnx_zoo.common import experiments, models
+  from nnx_zoo.common import experiments, models, tasks
   from nnx_zoo.common.nn import lora
 
   if args.topology:  # a TPU slice's hardware name, from the name alone (no libtpu needed)
@@ -222,6 +222,8 @@ def cmd_show(args, overrides):
   if cfg.model.get("lora") is not None and cfg.model.lora.rank:
     trained = models.num_params(cfg.model, lora.trainable(cfg.model))
     print(f"# trained: {trained:,} (LoRA adapters and model.lora.train; the rest frozen)")
+  for line in tasks.of(cfg).show(cfg):  # what the task adds (distill: teacher and student)
+    print(line)
   if args.memory:
     _print_memory(cfg)
 
@@ -347,7 +349,7 @@ def workdir_config(args):
 
 
 def cmd_data(args, overrides):
-  from nnx_zoo.common import experiments, report
+  from nnx_zoo.common import experiments, report, tasks
   from nnx_zoo.common.data import prepare
 
   cfg = experiments.get_config(args.exp, overrides)
@@ -359,6 +361,16 @@ def cmd_data(args, overrides):
       num_processes=args.num_processes,
       process_id=args.process_id,
       progress=not args.quiet,
+    )
+    # What the task writes beside the tokens (distill: its teacher's top-k log-probabilities).
+    result.update(
+      tasks.of(cfg).after_prepare(
+        cfg,
+        args.out,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        progress=not args.quiet,
+      )
     )
     print(json.dumps(result))
   elif args.data_command == "show":

@@ -143,6 +143,14 @@ def resolve_model(cfg: ml_collections.ConfigDict, name: str, *, keep_tokenizer: 
     for p in parents:
       node = node[p]
     node[leaf] = value
+  spec = weights.layer_spec(cfg)
+  if spec:  # a student made of some of init_from's layers (distill.student_layers)
+    if len(model.get("layer_pattern", ())) > 1:
+      raise UserError(
+        f"distill.student_layers: {src.path}'s layers follow a pattern of "
+        f"{len(model.layer_pattern)} kinds, which a subset of them would break: leave it empty."
+      )
+    model.num_layers = len(weights.select_layers(spec, src.model.num_layers))
   cfg.model = model
   if "data" not in cfg:
     return

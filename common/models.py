@@ -165,15 +165,17 @@ def _fill(saved: dict, defaults: dict):
 
 def infer_task(cfg) -> str:
   """The task of a config that names none, from what it holds: a diffusion section (denoiser), a
-  preference section (dpo), a grpo section (grpo), an encoder-decoder of frames (speech) or of
-  tokens (seq2seq), a CLIP pair of towers (contrastive), a classifier head (classifier), else a
-  language model."""
+  preference section (dpo), a grpo section (grpo), a distill section (distill), an
+  encoder-decoder of frames (speech) or of tokens (seq2seq), a CLIP pair of towers (contrastive),
+  a classifier head (classifier), else a language model."""
   if cfg.get("diffusion") is not None:
     return "denoiser"
   if cfg.get("preference") is not None:
     return "dpo"
   if cfg.get("grpo") is not None:
     return "grpo"
+  if cfg.get("distill") is not None:
+    return "distill"
   model_cls = family_module(cfg.model.family).Model
   if issubclass(model_cls, Denoiser):
     return "denoiser"

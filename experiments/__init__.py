@@ -21,6 +21,8 @@ REGISTRY = {
     "chat/smollm2-shakespeare-dpo": "nnx_zoo.experiments.chat.smollm2_shakespeare_dpo",
     "chat/smollm2-arithmetic-grpo": "nnx_zoo.experiments.chat.smollm2_arithmetic_grpo",
     "chat/dpo": "nnx_zoo.experiments.chat.dpo",
+    "chat/distill": "nnx_zoo.experiments.chat.distill",
+    "chat/smollm2-distill": "nnx_zoo.experiments.chat.smollm2_distill",
     "lm/continue": "nnx_zoo.experiments.lm.continue",
     "text/minilm-shakespeare-genre": "nnx_zoo.experiments.text.minilm_shakespeare_genre",
     "bench/llama-19m": "nnx_zoo.experiments.bench.llama_19m",

@@ -36,6 +36,8 @@ class Split:
     dtype = np.dtype(self.manifest["dtype"])
     shards = os.path.join(path, "shards")
     missing, self.tokens, self.ends, self.weights = [], [], [], []
+    self.keys = []  # the key of each source with documents in this split, in reading order
+    self.teacher = None  # (logps, ids) memmaps per source: `attach_teacher`
     self.formats = set()  # how its sources were read: text, chat, preference
     for source in self.manifest["sources"]:
       entry_path = os.path.join(shards, f"{source['key']}.json")
@@ -47,6 +49,7 @@ class Split:
       self.formats.add(entry.get("reading", {"format": "text"})["format"])
       counts = entry["splits"].get(split)
       if counts:  # np.memmap of an empty file fails: a split with no documents has no files
+        self.keys.append(source["key"])
         tokens, ends = (os.path.join(shards, counts[f"{k}_file"]) for k in ("tokens", "ends"))
         self.tokens.append(_memmap(tokens, dtype, counts["tokens"]))
         self.ends.append(_memmap(ends, np.int64, counts["documents"]))
@@ -85,6 +88,36 @@ class Split:
       docs[here] = self.first_doc[s] + np.searchsorted(self.ends[s], local, side="right")
       weights[here] = 1.0 if self.weights[s] is None else self.weights[s][local]
     return (*(x.reshape(-1, length) for x in (tokens, docs, weights)),)
+
+  def attach_teacher(self, top_k: int):
+    """Memory-maps each source's teacher outputs (`write_teacher`): what `teacher_window`
+    reads."""
+    shards = os.path.join(self.path, "shards")
+    self.teacher = []
+    for key, tokens in zip(self.keys, self.tokens, strict=True):
+      names = (f"{key}.{self.split}.teacher_{kind}" for kind in ("logps", "ids"))
+      logps, ids = (os.path.join(shards, n) for n in names)
+      self.teacher.append(
+        (
+          _memmap(logps, np.float32, len(tokens) * top_k).reshape(-1, top_k),
+          _memmap(ids, np.uint32, len(tokens) * top_k).reshape(-1, top_k),
+        )
+      )
+
+  def teacher_window(self, starts_R: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """The teacher's top-k log-probabilities and ids [R, length, k] at the stream positions of
+    `window` (zeros past the end)."""
+    k = self.teacher[0][0].shape[1] if self.teacher else 0
+    pos = (starts_R[:, None] + np.arange(length)).ravel()
+    logps, ids = np.zeros((len(pos), k), np.float32), np.zeros((len(pos), k), np.int32)
+    shard = np.searchsorted(self.starts, pos, side="right") - 1
+    for s in np.unique(shard):
+      if s >= len(self.tokens):
+        continue
+      here = shard == s
+      local = pos[here] - self.starts[s]
+      logps[here], ids[here] = self.teacher[s][0][local], self.teacher[s][1][local]
+    return logps.reshape(-1, length, k), ids.reshape(-1, length, k)
 
   def document(self, d: int) -> tuple[np.ndarray, np.ndarray]:
     """The tokens and loss weights of document `d` of the split (in reading order)."""
@@ -127,6 +160,10 @@ class PackedRows:
     batch = {"tokens": tokens, "segment_ids": segments}
     if self.split.weighted:
       batch["loss_weights"] = weights
+    if self.split.teacher is not None:  # a distill run's teacher outputs (`write_teacher`)
+      batch["teacher_logps"], batch["teacher_ids"] = self.split.teacher_window(
+        rows_R * self.row_len, self.row_len
+      )
     return batch
 
   def __getitem__(self, r):
@@ -400,10 +437,18 @@ def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Dat
   parts = components(cfg.data)
   row_len, fmt = cfg.data.seq_len + 1, cfg.data.get("format", "text")
   layout = dict(fmt=fmt, pairs_per_row=cfg.data.get("pairs_per_row", "one"))
+  top_k = cfg.distill.top_k if reads_teacher(cfg) else 0
+
+  def split_of(path, split):
+    opened = Split(path, split)
+    if top_k:
+      opened.attach_teacher(top_k)
+    return opened
+
   iterator = None
   if train:
     train_rows = {
-      p.name: rows(Split(p.path, "train"), row_len, pad_last=False, **layout) for p in parts
+      p.name: rows(split_of(p.path, "train"), row_len, pad_last=False, **layout) for p in parts
     }
     iterator = train_iterator(
       train_rows,
@@ -413,13 +458,153 @@ def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Dat
       share=share,
       workers=cfg.data.workers,
     )
-  held_out = {p.name: rows(Split(p.path, "eval"), row_len, pad_last=True, **layout) for p in parts}
+  held_out = {
+    p.name: rows(split_of(p.path, "eval"), row_len, pad_last=True, **layout) for p in parts
+  }
   held_out = {name: rows for name, rows in held_out.items() if len(rows)}
   if not held_out:
     held_out = None
   elif list(held_out) == [""]:
     held_out = held_out[""]
   return kinds.Data(iterator, held_out, eval_batches, cfg.data.seq_len)
+
+
+# Teacher outputs (the distill task): each prepared token's top-k teacher log-probabilities
+
+
+def _teacher_entry(shards: str, key: str) -> dict | None:
+  path = os.path.join(shards, f"{key}.teacher.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _source_sha(shards: str, key: str) -> str:
+  with open(os.path.join(shards, f"{key}.json")) as f:
+    return json.load(f)["source"]["sha256"]
+
+
+def reads_teacher(cfg) -> bool:
+  """Whether a run of `cfg` reads its teacher's outputs from its prepared data (`data.kind=
+  "prepared"`, a distill run with distill.top_k, every source's outputs written for its rows'
+  length and top_k); a directory with none: False (the teacher runs in the step); with some,
+  or others: a UserError naming the fix."""
+  if cfg.data.kind != "prepared" or "distill" not in cfg or not cfg.distill.top_k:
+    return False
+  from nnx_zoo.common.hub import weights
+
+  row_len, top_k = cfg.data.seq_len + 1, int(cfg.distill.top_k)
+  teacher = os.path.abspath(weights.locate(cfg.distill.teacher))
+  found = set()
+  for part in components(cfg.data):
+    manifest = prepare.read_manifest(part.path)
+    shards = os.path.join(part.path, "shards")
+    for source in manifest["sources"]:
+      entry = _teacher_entry(shards, source["key"])
+      if entry is None:
+        found.add(None)
+        continue
+      # Another teacher's, or outputs of tokens prepared again since: not this run's.
+      same = entry["teacher"]["path"] == teacher and entry["source"] == _source_sha(
+        shards, source["key"]
+      )
+      found.add((entry["row_len"], entry["top_k"], same))
+  if found == {None}:
+    return False
+  if found != {(row_len, top_k, True)}:
+    have = ", ".join(
+      "none"
+      if f is None
+      else f"rows of {f[0]} tokens, top {f[1]}"
+      + ("" if f[2] else ", of another teacher or older tokens")
+      for f in sorted(found, key=str)
+    )
+    raise UserError(
+      f"The prepared data's teacher outputs ({have}) are not all this run's (its teacher's, for "
+      f"rows of seq_len + 1 = {row_len} tokens and distill.top_k={top_k}): rerun `zoo data "
+      "prepare` with this experiment's settings."
+    )
+  return True
+
+
+def write_teacher(
+  out: str,
+  *,
+  row_len: int,
+  top_k: int,
+  teacher: dict,
+  logps,
+  batch_size: int,
+  num_processes: int = 1,
+  process_id: int = 0,
+  progress: bool = True,
+) -> dict:
+  """Writes, beside each of this host's sources' tokens (`process_id` of `num_processes`, as
+  `zoo data prepare` shares them), its teacher's top-k log-probabilities and ids of every token
+  as the packed rows of `row_len` tokens give them: `logps(batch)` of rows {"tokens",
+  "segment_ids"} [R, row_len] -> ([R, row_len, k] float32, ids). Files:
+
+    shards/KEY.SPLIT.teacher_logps  float32 [tokens, k]: log-probability of each id
+    shards/KEY.SPLIT.teacher_ids    uint32  [tokens, k]: the ids, most likely first
+    shards/KEY.teacher.json         written last: the teacher, row_len, top_k, the source's hash
+
+  A rerun skips the sources whose entry matches; every host's tokens must be prepared first (a
+  row may cross into the next source)."""
+  from tqdm import tqdm
+
+  manifest = prepare.read_manifest(out)
+  shards = os.path.join(out, "shards")
+  splits = {s: Split(out, s) for s in prepare.SPLITS}
+  mine = [s["key"] for s in manifest["sources"][process_id::num_processes]]
+  todo = []
+  for key in mine:
+    want = {
+      "teacher": teacher,
+      "row_len": row_len,
+      "top_k": top_k,
+      "source": _source_sha(shards, key),
+    }
+    want = json.loads(json.dumps(want))  # as read back (tuples as lists)
+    if _teacher_entry(shards, key) != want:
+      todo.append((key, want))
+  total = sum(
+    len(sp.tokens[sp.keys.index(key)])
+    for key, _ in todo
+    for sp in splits.values()
+    if key in sp.keys
+  )
+  bar = tqdm(total=total, unit="tok", unit_scale=True, disable=not progress, desc="teacher")
+  written = 0
+  try:
+    for key, want in todo:
+      for name, sp in splits.items():
+        if key not in sp.keys:
+          continue
+        i = sp.keys.index(key)
+        start, end = int(sp.starts[i]), int(sp.starts[i + 1])
+        packed = PackedRows(sp, row_len, pad_last=True)
+        paths = {k: os.path.join(shards, f"{key}.{name}.teacher_{k}") for k in ("logps", "ids")}
+        with open(paths["logps"] + ".tmp", "wb") as fl, open(paths["ids"] + ".tmp", "wb") as fi:
+          first, last = start // row_len, -(-end // row_len)
+          for r in range(first, last, batch_size):
+            index = np.arange(r, r + batch_size)
+            batch = packed.read(np.minimum(index, last - 1))
+            lp, ids = logps({k: batch[k] for k in ("tokens", "segment_ids")})
+            pos = (index[:, None] * row_len + np.arange(row_len)).ravel()
+            keep = (pos >= start) & (pos < end) & (np.repeat(index, row_len) < last)
+            lp, ids = lp.reshape(-1, top_k)[keep], ids.reshape(-1, top_k)[keep]
+            lp.astype(np.float32).tofile(fl)
+            ids.astype(np.uint32).tofile(fi)
+            bar.update(int(keep.sum()))
+        for p in paths.values():
+          os.replace(p + ".tmp", p)
+        written += end - start
+      with files.replacing(os.path.join(shards, f"{key}.teacher.json")) as tmp, open(tmp, "w") as f:
+        json.dump(want, f, indent=1)
+  finally:
+    bar.close()
+  return {"teacher_sources": len(todo), "teacher_tokens": written, "teacher_top_k": top_k}
 
 
 kinds.register(kinds.Kind("prepared", load, check))

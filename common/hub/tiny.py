@@ -40,6 +40,8 @@ TEXT = (
 NAMES = {
   # A Llama of the zoo's "tiny" preset over the tokenizer's 320 ids.
   "llama": dict(family="llama", preset="tiny", vocab_size=320),
+  # The same tokenizer and a 4-layer Llama: a teacher for `tiny:llama` (chat/distill's smoke form).
+  "llama4": dict(family="llama", preset="tiny", vocab_size=320, num_layers=4),
 }
 
 
@@ -108,7 +110,8 @@ def _write(spec: dict, out: str):
       indent=2,
     )
   family = models.family_module(spec["family"])
-  cfg = family.config(spec["preset"], vocab_size=spec["vocab_size"])
+  overrides = {k: v for k, v in spec.items() if k not in ("family", "preset")}
+  cfg = family.config(spec["preset"], **overrides)
   cfg = ml_collections.ConfigDict(cfg.to_dict())
   params = nnx.state(models.build(cfg, seed=0), nnx.Param)
   mod = hf.params_module(spec["family"])

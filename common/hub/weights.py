@@ -306,6 +306,15 @@ def init_params(cfg, params: nnx.State) -> nnx.State:
   _, loaded = read(path, quantize=qlora.quantizer(want, kind) if kind else None)
   reinit = lora.patterns(cfg.get("init_reinit", ""))
   got = dict(nnx.to_flat_state(stacking.unstack_layers(loaded)))
+  spec = layer_spec(cfg)
+  if spec:  # a model made of some of the checkpoint's layers (a distillation student)
+    count = 1 + max((k[1] for k in got if k[0] == "blocks"), default=-1)
+    picked = select_layers(spec, count)
+    got = {
+      (k[0], picked.index(k[1]), *k[2:]) if k[0] == "blocks" else k: v
+      for k, v in got.items()
+      if k[0] != "blocks" or k[1] in picked
+    }
 
   def fresh(key) -> bool:
     return isinstance(want.get(key), lora.LoRAParam) or lora.matches(_dotted(key), reinit)
@@ -337,6 +346,41 @@ def init_params(cfg, params: nnx.State) -> nnx.State:
       for k, v in want.items()
     ]
   )
+
+
+def layer_spec(cfg) -> str:
+  """Which of init_from's layers the model is made of ("": all of them, as they are): the
+  distill task's `distill.student_layers`, a student made of its teacher's layers (DistilBERT,
+  Minitron)."""
+  return cfg.distill.student_layers if "distill" in cfg else ""
+
+
+def select_layers(spec: str, count: int) -> tuple[int, ...]:
+  """The indices a layer selection names among `count` layers: "every:K" (0, K, 2K, ...) or a
+  list "0,2,5" (increasing); an index out of range is a UserError naming it."""
+  spec = str(spec).strip()
+  try:
+    if spec.startswith("every:"):
+      step = int(spec[len("every:") :])
+      if step < 1:
+        raise ValueError
+      picked = tuple(range(0, count, step))
+    else:
+      picked = tuple(int(i) for i in spec.replace(" ", "").split(","))
+  except ValueError:
+    raise UserError(
+      f"distill.student_layers={spec!r}: write every:K (every K-th layer, from the first) or "
+      "a list of layer indices (0,2,4)."
+    ) from None
+  bad = [i for i in picked if not 0 <= i < count]
+  if bad or not picked:
+    raise UserError(
+      f"distill.student_layers={spec!r} names layer {bad[0] if bad else 'none'}, and the "
+      f"checkpoint has {count} layers (0..{count - 1}): name layers in that range."
+    )
+  if list(picked) != sorted(set(picked)):
+    raise UserError(f"distill.student_layers={spec!r}: name each layer once, in increasing order.")
+  return picked
 
 
 def _dotted(key: tuple) -> str:

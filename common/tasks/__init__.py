@@ -30,7 +30,13 @@ MODULES = (
   "nnx_zoo.common.tasks.speech",
   "nnx_zoo.common.tasks.preference",
   "nnx_zoo.common.tasks.grpo",
+  "nnx_zoo.common.tasks.distill",
 )
+
+# The batch key under which a task hands the step a frozen model's params (the distill task's
+# teacher, `complete`): placed and split over the mesh as params are, not as rows; whole in every
+# micro-batch; never differentiated, and no optimizer state (common/train/step.py).
+FROZEN = "frozen_params"
 
 
 class Task:
@@ -82,6 +88,21 @@ class Task:
     """The batch (placed on the mesh) with what the task computes from it before a train or
     eval step (dpo: the reference model's log-probabilities); the batch itself by default."""
     return batch
+
+  def complete_train(self, batch: dict, params) -> dict:
+    """`complete` of a training batch (the trainer's loop calls this one; evaluation calls
+    `complete`): the distill task's on-policy batches are its student's own samples."""
+    return self.complete(batch, params)
+
+  def show(self, cfg) -> list[str]:
+    """Lines `zoo show` prints beyond the model's (distill: the teacher and the student)."""
+    return []
+
+  def after_prepare(self, cfg, out: str, *, num_processes: int = 1, process_id: int = 0,
+                    progress: bool = True) -> dict:  # fmt: skip
+    """What `zoo data prepare` writes beside the tokens in `out` (distill: the teacher's top-k
+    log-probabilities), and its summary; nothing by default."""
+    return {}
 
   def step_metrics(self) -> dict:
     """What the task measured on the host since it was last asked (grpo: its rollouts' rewards

@@ -61,7 +61,7 @@ def chat(args, cfg):
   from nnx_zoo.common.data import tokenizers
   from nnx_zoo.common.hub import weights
 
-  if tasks.of(cfg).name not in ("language_model", "dpo"):
+  if tasks.of(cfg).name not in ("language_model", "dpo", "distill"):
     raise UserError(f"`zoo chat` talks to a decoder; {args.workdir} holds a {tasks.of(cfg).name}.")
   template = chat_data.template(cfg.data)
   tokenizer = tokenizers.load(cfg.data.tokenizer)

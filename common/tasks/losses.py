@@ -265,3 +265,69 @@ def seq2seq_sums(model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array,
     return total, jnp.sum(weights_BT)
   ce_BT = parallel.cross_entropy(model.logits(x_BTD), targets_BT)
   return jnp.sum(ce_BT * weights_BT), jnp.sum(weights_BT)
+
+
+# Distillation (the distill task): divergences between a student's and a teacher's next-token
+# distributions, over the vocabulary (split over `tensor` where the head is) or over a teacher's
+# top-k ids.
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+
+
+def log_softmax_vocab(logits_BTV: jax.Array) -> jax.Array:
+  """log_softmax over the vocabulary in float32; with the vocab split over `tensor`, of this
+  device's slice, normalised over the whole vocabulary (as `parallel.cross_entropy`)."""
+  logits = logits_BTV.astype(jnp.float32)
+  if not parallel.tensor_split("V"):
+    return jax.nn.log_softmax(logits, axis=-1)
+  m = jax.lax.stop_gradient(parallel.pmax_tensor(jnp.max(jax.lax.stop_gradient(logits), -1)))
+  lse = jnp.log(parallel.psum_tensor(jnp.sum(jnp.exp(logits - m[..., None]), -1))) + m
+  return logits - lse[..., None]
+
+
+def sum_vocab(x_BTV: jax.Array) -> jax.Array:
+  """Sum over the vocabulary (this device's slice and, split over `tensor`, the others')."""
+  total = jnp.sum(x_BTV, axis=-1)
+  return parallel.psum_tensor(total) if parallel.tensor_split("V") else total
+
+
+def gather_vocab(logits_BTV: jax.Array, ids_BTK: jax.Array) -> jax.Array:
+  """The logits [B, T, K] at the vocabulary ids `ids_BTK` (from the device holding each id's
+  slice where the vocab is split over `tensor`)."""
+  logits = logits_BTV.astype(jnp.float32)
+  if not parallel.tensor_split("V"):
+    return jnp.take_along_axis(logits, ids_BTK, axis=-1)
+  v_local = logits.shape[-1]
+  local = ids_BTK - parallel.tensor_index() * v_local
+  here = (local >= 0) & (local < v_local)
+  picked = jnp.take_along_axis(logits, jnp.clip(local, 0, v_local - 1), axis=-1)
+  return parallel.psum_tensor(jnp.where(here, picked, 0.0))
+
+
+def divergence(
+  student_logp: jax.Array, teacher_logp: jax.Array, *, kind: str, beta: float = 0.5, total=None
+) -> jax.Array:
+  """Per-position divergence [B, T] between two distributions given as log-probabilities over
+  the last axis, summed by `total` (`sum_vocab` over a split vocabulary; a plain sum by
+  default). TRL GKDTrainer's `generalized_jsd_loss` conventions (Agarwal et al. 2024, eq. 1):
+
+    forward_kl  KL(teacher || student) = sum_v t (log t - log s)
+    reverse_kl  KL(student || teacher) = sum_v s (log s - log t)
+    jsd         beta KL(t || m) + (1 - beta) KL(s || m),  m = beta t + (1 - beta) s;
+                beta 0 is forward_kl and beta 1 reverse_kl (taken as those, as TRL does: the
+                mixture's limit at 0 is 0, not the forward KL), 0.5 the Jensen-Shannon divergence.
+  """
+  total = total or (lambda x: jnp.sum(x, axis=-1))
+  s, t = student_logp, teacher_logp
+  if kind == "jsd" and beta == 0.0:
+    kind = "forward_kl"
+  if kind == "jsd" and beta == 1.0:
+    kind = "reverse_kl"
+  if kind == "forward_kl":
+    return total(jnp.exp(t) * (t - s))
+  if kind == "reverse_kl":
+    return total(jnp.exp(s) * (s - t))
+  if kind != "jsd":
+    raise UserError(f"Unknown distill.loss {kind!r}: use one of {', '.join(DIVERGENCES)}.")
+  m = jnp.logaddexp(t + np.log(beta), s + np.log1p(-beta))
+  return total(beta * jnp.exp(t) * (t - m) + (1 - beta) * jnp.exp(s) * (s - m))

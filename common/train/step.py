@@ -88,10 +88,14 @@ def sums_and_grads(
   if micro_batches == 1:
     grads, sums = jax.grad(objective, has_aux=True)(params, batch, rows)
     return sums, grads
-  # Each slice takes its rows of the batch and (drawing noise) those rows' global indices.
+  # Each slice takes its rows of the batch and (drawing noise) those rows' global indices; a
+  # frozen model's params (tasks.FROZEN) whole.
+  held = {k: v for k, v in batch.items() if k == tasks.FROZEN}
+  batch = {k: v for k, v in batch.items() if k != tasks.FROZEN}
   micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), (batch, rows))
 
   def add(acc, one_slice):
+    one_slice = ({**one_slice[0], **held}, one_slice[1])
     fused = set()  # the leaves whose gradients the layers' backward loop added into `acc`
 
     def accumulating(params, batch, rows):
@@ -132,8 +136,11 @@ def context_rows(batch: dict, layout: parallel.Layout, task=None) -> tuple[dict,
   context = layout.sizes.get("context", 1)
   if "next_token" in batch:  # made already (put_batch)
     return batch, {"next_token": {k: layout.token_spec for k in batch["next_token"]}}
-  if context == 1:
-    return batch, jax.tree.map(lambda _: layout.batch_spec, batch)
+  if context == 1:  # rows over the batch axes; a frozen model's params as params are
+    specs = {k: jax.tree.map(lambda _: layout.batch_spec, v) for k, v in batch.items()}
+    if tasks.FROZEN in batch:
+      specs[tasks.FROZEN] = layout.param_specs(batch[tasks.FROZEN])
+    return batch, specs
   rows = None if task is None else task.context_rows(batch)
   if rows is None:
     raise UserError(
@@ -335,4 +342,4 @@ def noisy(model_cfg) -> bool:
 
 def batch_rows(batch: dict) -> int:
   """The number of rows (examples) a batch holds: the leading dim of its arrays."""
-  return jax.tree.leaves(batch)[0].shape[0]
+  return jax.tree.leaves({k: v for k, v in batch.items() if k != tasks.FROZEN})[0].shape[0]

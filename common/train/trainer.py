@@ -51,6 +51,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   cfg = fit.resumed(cfg, workdir)
   check_workdir(cfg, workdir)
   kinds.check(cfg)
+  tasks.of(cfg)  # the task's own settings (its section of the config), checked before writing
 
   # Data: what cfg.data.kind's module of common/data/ loads (read only; a resumed run's
   # continues where its step left it, below)
@@ -116,7 +117,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
       ev.step_start()
       batch = steps.put_batch(next(data_iter), layout, task)
       ev.data_ready()
-      batch = task.complete(batch, state.params)
+      batch = task.complete_train(batch, state.params)
       state, metrics = step_fn(state, fit.placed(batch, layout))
       nonfinite.observe(step, metrics)
       if step % cfg.train.log_every == 0 or step == cfg.train.steps:
