@@ -139,6 +139,21 @@ def test_foreign_keys_fall_back_to_xla(keys):
   assert impl == "xla" and why == attention_impl.FOREIGN_KEYS[keys]
 
 
+def test_decoding_falls_back_quietly_and_cross_attention_with_a_warning(monkeypatch, caplog):
+  """A KV cache keeps no scores for a backward pass: INFO; cross-attention in training would."""
+  monkeypatch.setattr(attention_impl, "_logged", set())
+  caplog.set_level(logging.INFO, logger=attention_impl.__name__)
+  for keys in ("cache", "source"):
+    assert (
+      attention_impl.choose("blocked", attention_impl.Call("cpu", "float32", keys=keys)) == "xla"
+    )
+  levels = {r.getMessage().rsplit(": ", 1)[-1]: r.levelno for r in caplog.records}
+  assert levels == {
+    attention_impl.FOREIGN_KEYS["cache"]: logging.INFO,
+    attention_impl.FOREIGN_KEYS["source"]: logging.WARNING,
+  }
+
+
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
 def test_blocked_runs_as_named_and_auto_never_picks_it(platform):
   facts = dict(bias=True, segments=True, softcap=True, bidirectional_window=True)
