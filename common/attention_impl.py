@@ -184,6 +184,10 @@ NOTES = {
   # testable.
   ("flash", "cpu"): "runs in Pallas interpret mode on CPU",
 }
+# Fallbacks told as INFO, not WARNING: (impl, where the keys come from). Decoding from a KV cache
+# keeps no scores for a backward pass, so "blocked" (a choice for training's memory, which
+# `train.fit` may write into a run's config) loses nothing there by running "xla".
+EXPECTED_FALLBACKS = {("blocked", "cache")}
 
 
 def refusal(impl: str, call: Call, *, auto: bool = False) -> str | None:
@@ -221,12 +225,15 @@ def runs(impl: str, call: Call) -> tuple[str, str]:
 
 def choose(impl: str, call: Call) -> str:
   """`runs(impl, call)`'s implementation, its choice logged once per process: "auto"'s
-  resolution and notes as INFO, a fallback as a WARNING."""
+  resolution and notes as INFO, a fallback as a WARNING (INFO where EXPECTED_FALLBACKS)."""
   chosen, why = runs(impl, call)
   if impl == "auto":
     _log_once(impl, f"resolved to {chosen!r}: {why}", logging.INFO)
   elif chosen != impl:
-    _log_once(impl, f"falls back to {chosen!r}: {why}")
+    expected = (impl, call.keys) in EXPECTED_FALLBACKS
+    _log_once(
+      impl, f"falls back to {chosen!r}: {why}", logging.INFO if expected else logging.WARNING
+    )
   elif why:
     _log_once(impl, why, logging.INFO)
   return chosen

@@ -8,7 +8,7 @@ attention keeps them): the one copy, used here and by ring attention (common/nn/
 whose keys come round the ring a device's block at a time. `attend_blocked` is a row against its
 own keys, skipping the key blocks the causal and window rules mask for a whole query block
 (`attention_ref.key_range`, as `attend_in_blocks` does). Arrays and static settings only: no
-config, no mesh, no platform.
+config, no platform; of the mesh only the types of the running sums under shard_map.
 """
 
 import functools
