@@ -104,7 +104,10 @@ class Supervisor:
 
   def _attempt(self) -> tuple[int, str]:
     """Runs the child to its end; (its exit code as a shell gives it, why it ended)."""
-    self.child = subprocess.Popen(self.command, process_group=0, preexec_fn=_die_with_parent)
+    prctl = _prctl()  # looked up here: between fork and exec the child only calls it
+    self.child = subprocess.Popen(
+      self.command, process_group=0, preexec_fn=lambda: prctl and prctl(1, signal.SIGKILL)
+    )
     try:
       while self.child.poll() is None:
         stall = self._stalled()
@@ -208,8 +211,9 @@ def _read(path: str) -> str:
     return ""
 
 
-def _die_with_parent():
-  """In the child, before exec: SIGKILL when the supervisor dies (Linux's PR_SET_PDEATHSIG), so
-  a supervisor killed outright leaves no trainer behind."""
+def _prctl():
+  """Linux's prctl, which the child calls before exec with PR_SET_PDEATHSIG (1): SIGKILL when the
+  supervisor dies, so a supervisor killed outright leaves no trainer behind. None elsewhere."""
   with contextlib.suppress(OSError, AttributeError):
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    return ctypes.CDLL(None, use_errno=True).prctl
+  return None

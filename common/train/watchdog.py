@@ -11,9 +11,9 @@ restarts it. Stdlib only: the supervisor imports it without jax.
 The limit (`limit_s`): `train.watchdog_s` seconds between two steps when > 0; 0 turns the
 watchdog (and the progress file) off; -1 (the default) scales with the run, `AUTO_FACTOR` times
 the slowest step seen in the last ~`WINDOW` steps (the first step excluded), at least
-`AUTO_MIN_S`. Until the first step of a process has ended (start-up after the weights are
-restored: the data, the task's start-up, compiling the step) and while it evaluates (which
-compiles its own program), `FIRST_S` more are allowed.
+`AUTO_MIN_S`. The watchdog starts with the training loop; until its first step has ended (which
+compiles the step) and while it evaluates (which compiles its own program), `FIRST_S` more are
+allowed.
 """
 
 import contextlib

@@ -17,6 +17,10 @@ from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.train import inject, watchdog
 from nnx_zoo.common.train.inject import Fault
 
+# The supervisor forks its child (to set it to die with its parent before exec): jax, imported in
+# this test process but never in a supervisor's, warns of forking beside its threads.
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+
 # $NNX_ZOO_INJECT
 
 
