@@ -247,15 +247,18 @@ class Search:
   chosen: tuple | None = None  # (cfg, step_fn, overrides, Fit) of the first that fits
 
 
-def search(cfg, *, tx, layout, example=None) -> Search | None:
+def search(cfg, *, tx, layout, example=None, progress=None) -> Search | None:
   """The configured step compiled and measured; where it does not fit, the candidates compiled
-  in their order until one fits with 10% headroom. None: the task's batches are unknown."""
+  in their order until one fits with 10% headroom. None: the task's batches are unknown.
+  `progress(line)`: told each figure as it is known (a large step compiles for minutes)."""
+  progress = progress or (lambda line: None)
   if not _knows_batches(cfg):
     return None
   has = agreed_budget()
   step_fn, compiled = compile_step(cfg, tx=tx, layout=layout, example=example)
   result = Search(device_memory.measure(compiled, against=has), step_fn)
   del compiled
+  progress(f"the train step {result.first.summary()}")
   if result.first.fits():
     return result
   sizes = layout.sizes if layout is not None else mesh.resolve(cfg.mesh, 1)
@@ -269,6 +272,7 @@ def search(cfg, *, tx, layout, example=None) -> Search | None:
     measured = device_memory.measure(c_compiled, against=has)
     del c_compiled
     result.tried.append((overrides, measured))
+    progress(f"with {format_fitted(overrides)}: {device_memory.gib(measured.needed)}")
     if measured.fits(headroom=device_memory.HEADROOM):
       result.chosen = (candidate, c_step, overrides, measured)
       break
@@ -333,11 +337,14 @@ def fix(result: Search, cfg) -> str:
 def report(cfg, *, tx, layout) -> str:
   """`zoo show --memory`: what the step needs on this machine, what it has, whether it fits,
   and what train.fit=auto would do."""
-  result = search(cfg, tx=tx, layout=layout)
+
+  def progress(line: str):
+    print(f"# memory: {line}", flush=True)
+
+  result = search(cfg, tx=tx, layout=layout, progress=progress)
   if result is None:
     return f"# memory: the {tasks.of(cfg).name} task's batches are not described: not checked"
-  first = result.first
-  lines = [f"# memory: the train step {first.summary()}"]
+  first, lines = result.first, []
   if first.fits():
     lines.append("# memory: fits; train.fit changes nothing")
     return "\n".join(lines)
