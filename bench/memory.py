@@ -5,7 +5,8 @@ fine-tuning, LoRA (rank 8 on every projection) and, where the zoo has `model.lor
 QLoRA int8 and nf4; beside them transformers + peft (eager, fp32, sdpa), and bitsandbytes' 4-bit
 base where it runs on this CPU. 256 and 1024 tokens x batch 8 by default, AdamW, random tokens.
 
-Each configuration runs in a fresh subprocess, so its peak RSS is its own. Before each, the
+Each configuration runs in a fresh subprocess, so its peak RSS is its own (the zoo's includes
+compiling the step, which XLA does in the same process). Before each, the
 available memory (/proc/meminfo, what `free -g` shows) is read: a zoo step whose compiled bytes
 exceed --limit-gb (8 by default: this machine is shared) or what is available is compiled only,
 never run, and its row says so; a torch configuration has no such estimate, so one whose zoo
@@ -194,6 +195,9 @@ def main():
     for mode in modes:
       print(f"free before zoo {mode} {T}: {available_bytes() / GiB:.1f} GiB", flush=True)
       r = run_worker("zoo", mode, T, args)
+      print(
+        f"zoo {mode} {T}: {json.dumps(r)}", flush=True
+      )  # each as it comes: a partial run counts
       if not r.get("ran"):
         too_big.add("full" if mode == "full" else "lora")
       rows.append((f"zoo {mode}", T, r))
@@ -205,6 +209,7 @@ def main():
       else:
         print(f"free before torch {mode} {T}: {available_bytes() / GiB:.1f} GiB", flush=True)
         r = run_worker("torch", mode, T, args)
+        print(f"torch {mode} {T}: {json.dumps(r)}", flush=True)
       rows.append((f"transformers + peft {mode}" if mode != "full" else "transformers full", T, r))
 
   print(f"\nSmolLM2-135M-Instruct, batch {args.batch}, AdamW, fp32, 2 steps a process")
