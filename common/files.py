@@ -38,6 +38,22 @@ def check_writable(*paths: str):
       ) from None
 
 
+def check_creatable(*paths: str):
+  """That each directory exists and is writable or could be made, without making anything: the
+  nearest part of the path that exists is a writable directory; else a UserError naming it, as
+  `check_writable`'s (which a run calls once it may write)."""
+  for path in paths:
+    there = os.path.abspath(path)
+    while not os.path.exists(there):
+      there = os.path.dirname(there)
+    if not os.path.isdir(there) or not os.access(there, os.W_OK):
+      what = "not a directory" if not os.path.isdir(there) else "not writable"
+      raise UserError(
+        f"Cannot write to {path} ({there} is {what}). Give a --workdir on a writable disk; "
+        "nothing was trained."
+      )
+
+
 @contextlib.contextmanager
 def replacing(path: str):
   """Yields a temporary path beside `path` to write to, and renames it onto `path` once the

@@ -25,6 +25,7 @@ from nnx_zoo.common import attention_impl, device_memory, mesh, parallel, tasks
 from nnx_zoo.common import config as config_lib
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint
+from nnx_zoo.common.nn import attention_blocked
 from nnx_zoo.common.train import step as steps
 
 MODES = ("auto", "off")
@@ -69,8 +70,11 @@ def _loss_chunk(cfg) -> Lever | None:
 def _blocked_attention(cfg) -> Lever | None:
   # Blocked attention (query blocks, online softmax, recomputed in the backward pass) keeps no
   # [B, H, T, T] probabilities; a candidate only where this zoo has it.
+  # A row of at most one block runs the dense path anyway (attention_blocked.BLOCK).
   att = cfg.model.get("attention")
   if "blocked" not in attention_impl.IMPLS or att is None or att.get("impl") not in ("auto", "xla"):
+    return None
+  if cfg.data.get("seq_len", 0) <= attention_blocked.BLOCK:
     return None
   return Lever({"model.attention.impl": "blocked"}, "attention a block of keys at a time")
 

@@ -50,6 +50,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   ev.record("backend")
   cfg = fit.resumed(cfg, workdir)
   check_workdir(cfg, workdir)
+  files.check_creatable(workdir, checkpoint.directory(workdir))  # before any data is read
   kinds.check(cfg)
   tasks.of(cfg)  # the task's own settings (its section of the config), checked before writing
 

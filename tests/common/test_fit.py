@@ -14,6 +14,7 @@ import pytest
 
 from nnx_zoo.common import attention_impl, cli, device_memory, experiments, programs
 from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import attention_blocked
 from nnx_zoo.common.train import fit, optim, trainer
 
 SMOKE = "lm/shakespeare-char:smoke"
@@ -125,9 +126,13 @@ def test_candidates_accumulate_in_their_order(monkeypatch):
   assert [c["train.micro_batches"] for c in got[2:]] == [2, 4, 8]
   assert all(c["model.remat"] == "full" for c in got[2:])
   # A large vocabulary adds the chunked loss; blocked attention comes after it where the zoo
-  # has it (attention_impl.IMPLS), before the micro-batches.
+  # has it (attention_impl.IMPLS) and a row is longer than one of its blocks, before the
+  # micro-batches.
   monkeypatch.setattr(attention_impl, "IMPLS", (*without, "blocked"))
   cfg.model.vocab_size = 32768
+  short = fit.candidates(cfg, {"data": 1})
+  assert all("model.attention.impl" not in c for c in short)
+  cfg.data.seq_len = 2 * attention_blocked.BLOCK
   got = fit.candidates(cfg, {"data": 1})
   assert got[2] == {"model.remat": "full", "train.loss_chunk": fit.LOSS_CHUNK}
   assert got[3] == {**got[2], "model.attention.impl": "blocked"}
@@ -136,7 +141,7 @@ def test_candidates_accumulate_in_their_order(monkeypatch):
 
 @pytest.mark.skipif("blocked" not in attention_impl.IMPLS, reason="blocked attention not merged")
 def test_blocked_attention_candidate_compiles_and_lowers_the_step():
-  cfg = smoke({"data.seq_len": "256", "train.batch_size": "2"})
+  cfg = smoke({"data.seq_len": "1024", "train.batch_size": "1"})
   blocked = fit.with_overrides(cfg, {"model.attention.impl": "blocked"})
   assert needs(blocked) < needs(cfg)
 
