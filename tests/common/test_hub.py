@@ -3,8 +3,8 @@ each architecture converted and compared on logits (hidden states for BERT), lay
 they differ, exported and reloaded; sharded and half-precision checkpoints; the real pretrained
 MiniLM; the CLI; and bad input, each one clear error with nothing written."""
 
-import copy
 import contextlib
+import copy
 import importlib.util
 import io
 import json
