@@ -211,15 +211,24 @@ def start_state(cfg, tx, layout, workdir: str):
       ckpts.close()
     if state is not None:
       return state, shardings
-  init_from = None
-  if cfg.init_from:
-    init_from = weights.init_params(cfg, nnx.state(models.abstract(cfg.model), nnx.Param))
-  state = jax.jit(lambda: steps.init_state(cfg, tx)[1], out_shardings=shardings)()
-  if init_from is not None:
-    params = weights.with_init_from(init_from, state.params, shardings.params)
-    state = dataclasses.replace(state, params=params)
-    if state.ema is not None:  # the average starts at the loaded weights (its own buffers)
-      state = dataclasses.replace(state, ema=jax.tree.map(jnp.copy, params))
+  if not cfg.init_from:
+    return jax.jit(lambda: steps.init_state(cfg, tx)[1], out_shardings=shardings)(), shardings
+  # init_from's weights, each read once (a QLoRA base quantized as it is read); of the fresh
+  # state only what they do not give is computed (adapters, init_reinit, the optimizer state,
+  # the rng): no fresh copy of the base is made, nor a QLoRA base's random fp32 kernels.
+  loaded = weights.init_params(cfg, nnx.state(models.abstract(cfg.model), nnx.Param))
+  params = weights.start_params(
+    loaded, lambda: steps.init_state(cfg, tx)[1].params, abstract.params, shardings.params
+  )
+  del loaded
+  without = dict(params={}, ema=None)  # the params are init_from's, the average starts at them
+  state = jax.jit(
+    lambda: dataclasses.replace(steps.init_state(cfg, tx)[1], **without),
+    out_shardings=dataclasses.replace(shardings, **without),
+  )()
+  state = dataclasses.replace(state, params=params)
+  if shardings.ema is not None:  # the average starts at the loaded weights (its own buffers)
+    state = dataclasses.replace(state, ema=jax.tree.map(jnp.copy, params))
   return state, shardings
 
 
