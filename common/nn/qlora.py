@@ -183,3 +183,26 @@ def base_bytes(params) -> tuple[int, int]:
         packed = 2 if x.dtype == jnp.uint8 else 1
         fp32 += int(np.prod(x.shape)) * packed * 4
   return quantized, fp32
+
+
+def check_mesh(params, layout) -> None:
+  """That `layout`'s mesh can split every quantized kernel's codes and scales as the kernel's
+  axes ask (a scale has a row per 64 input rows, so fewer rows than the kernel); else a
+  UserError naming the first that it cannot, and the fix."""
+  if layout is None:
+    return
+  for path, var in nnx.to_flat_state(params):
+    if not isinstance(var, QuantizedBase):
+      continue
+    spec = layout.param_spec(var)
+    for dim, axes in zip(var.shape, spec, strict=False):
+      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      split = int(np.prod([layout.sizes.get(a, 1) for a in axes]))
+      if dim % split:
+        name = ".".join(map(str, path))
+        raise UserError(
+          f"model.lora.base_quant: {name} {list(var.shape)} (a quantized base kernel's "
+          f"{'scales' if path[-1] == 'kernel_scale' else 'codes'}, a row per {BLOCK} input rows "
+          f"for scales) cannot be split {split} ways over mesh axes {'x'.join(axes)}: use a "
+          f"mesh whose {'x'.join(axes)} size divides {dim}, or model.lora.base_quant=''."
+        )

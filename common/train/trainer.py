@@ -21,6 +21,7 @@ from nnx_zoo.common import device_memory, files, mesh, models, parallel, tasks
 from nnx_zoo.common.data import kinds, prepared
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
+from nnx_zoo.common.nn import qlora
 from nnx_zoo.common.train import (
   events,
   faults,
@@ -202,6 +203,9 @@ def start_state(cfg, tx, layout, workdir: str):
   loaded, `Checkpoints.restore_data`); else a fresh state, with the weights of `cfg.init_from`
   in place of its fresh params (what init_from does not give, adapters and init_reinit, stays
   fresh). A new run writes nothing here: a checkpoint that does not fit leaves no workdir."""
+  qlora.check_mesh(
+    nnx.state(models.abstract(cfg.model), nnx.Param), layout
+  )  # one line, not a crash
   abstract, shardings = steps.placed_abstract_state(cfg, tx, layout)
   if checkpoint.has_steps(workdir):
     ckpts = checkpoint.Checkpoints(workdir, keep=cfg.train.keep_checkpoints)
