@@ -19,6 +19,9 @@ and restored with the params, resumed exactly) that `lora.trainable` never selec
 no optimizer state. Loading quantizes as it reads (`quantizer`, applied by common/hub to each
 tensor as it is read), so no whole fp32 copy of the base is ever held.
 
+On a mesh the codes and scales are placed by the kernel's axes; `check_mesh` refuses in one line
+a mesh that cannot split a kernel's rows of scales.
+
 With common/nn/quant.py, this module holds the zoo's qwix imports.
 """
 
@@ -177,7 +180,7 @@ def base_bytes(params) -> tuple[int, int]:
   quantized, fp32 = 0, 0
   for path, var in nnx.to_flat_state(params):
     if isinstance(var, QuantizedBase):
-      x = var[...]
+      x = var.get_value()  # an array, or abstract (its bytes from its shape)
       quantized += int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
       if path[-1] == "kernel":
         packed = 2 if x.dtype == jnp.uint8 else 1
