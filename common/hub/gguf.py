@@ -268,7 +268,16 @@ def read_gguf(path: str, *, param_dtype: str = "float32", quantize=None):
   value, without the token lists). `quantize` (`qlora.quantizer`): applied to each tensor as it
   is dequantized (K-quants included), so a quantized base is never whole in fp32."""
   reader = _open(path)
+  # The vocabulary's strings (the reader's parts of 152k tokens and merges: ~400 MiB of Python
+  # objects for Qwen2.5) are the tokenizer's, read apart (`tokenizer_dir`): dropped before the
+  # weights are read. Of the tokens, only their count is read here.
+  tokens = reader.fields.get("tokenizer.ggml.tokens")
+  count = None if tokens is None else len(tokens.data)
+  for k in TOKEN_LISTS:
+    reader.fields.pop(k, None)
   meta = _fields(reader)
+  if count is not None:
+    meta["tokenizer.ggml.tokens"] = range(count)
   arch = _arch(meta, path)
   _check_types(reader, path)
   names = [t.name for t in reader.tensors]

@@ -269,16 +269,41 @@ def with_init_from(loaded: nnx.State, fresh: nnx.State, shardings) -> nnx.State:
   return jax.device_put(stacking.match_layers(params, fresh), shardings)
 
 
+def start_params(loaded: nnx.State, make: Callable[[], nnx.State], like, shardings) -> nnx.State:
+  """init_from's params (`init_params`, one tree per layer) with what it does not give
+  (adapters, init_reinit: left abstract there) taken from `make()`, a fresh model's params, in
+  the layout of `like` (a state of the model), placed as `shardings`.
+
+  Only those fresh params are computed (`make` is traced and the rest of it never runs): a
+  QLoRA run's random fp32 base kernels, and any fresh copy of what init_from gives, are never
+  made, so a start from init_from holds its loaded weights and the adapters alone."""
+  flat = nnx.to_flat_state(loaded)
+  keys = {_dotted(k) for k, v in flat if isinstance(v.get_value(), jax.ShapeDtypeStruct)}
+
+  def fresh():
+    made = nnx.to_flat_state(stacking.unstack_layers(make()))
+    return {_dotted(k): v.get_value() for k, v in made if _dotted(k) in keys}
+
+  got = jax.jit(fresh)() if keys else {}
+  params = nnx.from_flat_state(
+    [(k, v.replace(got[_dotted(k)]) if _dotted(k) in got else v) for k, v in flat]
+  )
+  return jax.device_put(stacking.match_layers(params, like), shardings)
+
+
 def init_from_params(cfg, layout=None) -> tuple[nnx.GraphDef, nnx.State]:
   """The model of `cfg` with the weights of its `init_from` (a run's starting point, and the dpo
   task's reference model), placed on `layout`'s mesh as the train step places params."""
   abstract = models.abstract(cfg.model)
   graphdef, abstract_params = nnx.graphdef(abstract), nnx.state(abstract, nnx.Param)
   shardings = parallel.placement(abstract_params, layout)
-  fresh = jax.jit(
-    lambda: nnx.state(models.build(cfg.model, seed=cfg.seed), nnx.Param), out_shardings=shardings
-  )()
-  return graphdef, with_init_from(init_params(cfg, abstract_params), fresh, shardings)
+  params = start_params(
+    init_params(cfg, abstract_params),
+    lambda: nnx.state(models.build(cfg.model, seed=cfg.seed), nnx.Param),
+    abstract_params,
+    shardings,
+  )
+  return graphdef, params
 
 
 def init_params(cfg, params: nnx.State) -> nnx.State:

@@ -19,6 +19,9 @@ and restored with the params, resumed exactly) that `lora.trainable` never selec
 no optimizer state. Loading quantizes as it reads (`quantizer`, applied by common/hub to each
 tensor as it is read), so no whole fp32 copy of the base is ever held.
 
+On a mesh the codes and scales are placed by the kernel's axes; `check_mesh` refuses in one line
+a mesh that cannot split a kernel's rows of scales.
+
 With common/nn/quant.py, this module holds the zoo's qwix imports.
 """
 
@@ -133,6 +136,13 @@ def quantizer(want: dict, kind: str):
   kernel of a Linear in the blocks replaced by its codes and scale, anything else as it is.
   Its `targets`: the paths it quantizes."""
   targets = {k for k, v in want.items() if isinstance(v, QuantizedBase) and k[-1] == "kernel"}
+  # Compiled now for each kernel shape, before any weight is held: XLA's compilation takes
+  # hundreds of MiB for a moment (measured on Qwen2.5-0.5B), which would otherwise come on top of
+  # the weights read so far.
+  for shape, dtype in {
+    (_fp32_shape(want[k]), want[(*k[:-1], "kernel_scale")].dtype) for k in targets
+  }:
+    quantize(jnp.zeros(shape, dtype), kind=kind)
 
   def one(path: tuple, var):
     if path not in targets:
@@ -146,6 +156,12 @@ def quantizer(want: dict, kind: str):
 
   one.targets = targets
   return one
+
+
+def _fp32_shape(var) -> tuple[int, ...]:
+  """The kernel shape [..., in, out] of a quantized kernel's codes (two rows a byte if packed)."""
+  *lead, rows, out = var.shape
+  return (*lead, rows * (2 if var.dtype == jnp.uint8 else 1), out)
 
 
 def weights(path: tuple, var) -> int:
@@ -164,9 +180,32 @@ def base_bytes(params) -> tuple[int, int]:
   quantized, fp32 = 0, 0
   for path, var in nnx.to_flat_state(params):
     if isinstance(var, QuantizedBase):
-      x = var[...]
+      x = var.get_value()  # an array, or abstract (its bytes from its shape)
       quantized += int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
       if path[-1] == "kernel":
         packed = 2 if x.dtype == jnp.uint8 else 1
         fp32 += int(np.prod(x.shape)) * packed * 4
   return quantized, fp32
+
+
+def check_mesh(params, layout) -> None:
+  """That `layout`'s mesh can split every quantized kernel's codes and scales as the kernel's
+  axes ask (a scale has a row per 64 input rows, so fewer rows than the kernel); else a
+  UserError naming the first that it cannot, and the fix."""
+  if layout is None:
+    return
+  for path, var in nnx.to_flat_state(params):
+    if not isinstance(var, QuantizedBase):
+      continue
+    spec = layout.param_spec(var)
+    for dim, axes in zip(var.shape, spec, strict=False):
+      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      split = int(np.prod([layout.sizes.get(a, 1) for a in axes]))
+      if dim % split:
+        name = ".".join(map(str, path))
+        raise UserError(
+          f"model.lora.base_quant: {name} {list(var.shape)} (a quantized base kernel's "
+          f"{'scales' if path[-1] == 'kernel_scale' else 'codes'}, a row per {BLOCK} input rows "
+          f"for scales) cannot be split {split} ways over mesh axes {'x'.join(axes)}: use a "
+          f"mesh whose {'x'.join(axes)} size divides {dim}, or model.lora.base_quant=''."
+        )

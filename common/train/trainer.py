@@ -21,6 +21,7 @@ from nnx_zoo.common import device_memory, files, mesh, models, parallel, tasks
 from nnx_zoo.common.data import kinds, prepared
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
+from nnx_zoo.common.nn import qlora
 from nnx_zoo.common.train import (
   events,
   faults,
@@ -203,6 +204,9 @@ def start_state(cfg, tx, layout, workdir: str):
   loaded, `Checkpoints.restore_data`); else a fresh state, with the weights of `cfg.init_from`
   in place of its fresh params (what init_from does not give, adapters and init_reinit, stays
   fresh). A new run writes nothing here: a checkpoint that does not fit leaves no workdir."""
+  qlora.check_mesh(
+    nnx.state(models.abstract(cfg.model), nnx.Param), layout
+  )  # one line, not a crash
   abstract, shardings = steps.placed_abstract_state(cfg, tx, layout)
   if checkpoint.has_steps(workdir):
     ckpts = checkpoint.Checkpoints(workdir, keep=cfg.train.keep_checkpoints)
@@ -212,15 +216,24 @@ def start_state(cfg, tx, layout, workdir: str):
       ckpts.close()
     if state is not None:
       return state, shardings
-  init_from = None
-  if cfg.init_from:
-    init_from = weights.init_params(cfg, nnx.state(models.abstract(cfg.model), nnx.Param))
-  state = jax.jit(lambda: steps.init_state(cfg, tx)[1], out_shardings=shardings)()
-  if init_from is not None:
-    params = weights.with_init_from(init_from, state.params, shardings.params)
-    state = dataclasses.replace(state, params=params)
-    if state.ema is not None:  # the average starts at the loaded weights (its own buffers)
-      state = dataclasses.replace(state, ema=jax.tree.map(jnp.copy, params))
+  if not cfg.init_from:
+    return jax.jit(lambda: steps.init_state(cfg, tx)[1], out_shardings=shardings)(), shardings
+  # init_from's weights, each read once (a QLoRA base quantized as it is read); of the fresh
+  # state only what they do not give is computed (adapters, init_reinit, the optimizer state,
+  # the rng): no fresh copy of the base is made, nor a QLoRA base's random fp32 kernels.
+  loaded = weights.init_params(cfg, nnx.state(models.abstract(cfg.model), nnx.Param))
+  params = weights.start_params(
+    loaded, lambda: steps.init_state(cfg, tx)[1].params, abstract.params, shardings.params
+  )
+  del loaded
+  without = dict(params={}, ema=None)  # the params are init_from's, the average starts at them
+  state = jax.jit(
+    lambda: dataclasses.replace(steps.init_state(cfg, tx)[1], **without),
+    out_shardings=dataclasses.replace(shardings, **without),
+  )()
+  state = dataclasses.replace(state, params=params)
+  if shardings.ema is not None:  # the average starts at the loaded weights (its own buffers)
+    state = dataclasses.replace(state, ema=jax.tree.map(jnp.copy, params))
   return state, shardings
 
 

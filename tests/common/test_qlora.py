@@ -5,6 +5,7 @@ file of K-quants read straight into nf4 equal to reading it in fp32 and then qua
 every bad input as one line, exit 2, nothing written."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -325,3 +326,32 @@ def test_bad_input_in_the_layers():
     models.build(cfg)
   with pytest.raises(UserError, match=r"blocks\.0\.attn\.k\.kernel \[32, 16\] has 32"):
     models.build(llama_cfg("nf4", dim=32, num_heads=4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "over",
+  [
+    {"model.lora.rank": "4", "train.ema": "0.9"},
+    {"model.lora.rank": "4", "model.scan": "True", "init_reinit": "head.*"},
+    {"model.lora.rank": "4", "model.lora.base_quant": "nf4"},
+  ],
+)
+def test_start_from_init_from_is_the_fresh_state_with_its_weights_in_place(tmp_path, over):
+  """`trainer.start_state` computes only what init_from does not give (no fresh base, no random
+  fp32 QLoRA kernels), and starts where a whole fresh state with init_from's weights put in
+  place (`weights.with_init_from`, the reference) does, bit for bit."""
+  cfg = experiments.get_config("lm/continue:smoke", {"init_from": "tiny:llama", **over})
+  tx = optim.optimizer(cfg.optim, cfg.train.steps)
+  _, shardings = steps.placed_abstract_state(cfg, tx, None)
+  want = jax.jit(lambda: steps.init_state(cfg, tx)[1], out_shardings=shardings)()
+  loaded = weights.init_params(cfg, nnx.state(models.abstract(cfg.model), nnx.Param))
+  params = weights.with_init_from(loaded, want.params, shardings.params)
+  ema = None if want.ema is None else params
+  want = dataclasses.replace(want, params=params, ema=ema)
+  got, _ = trainer.start_state(cfg, tx, None, str(tmp_path))
+  (got_leaves, got_tree), (want_leaves, want_tree) = map(jax.tree.flatten, (got, want))
+  assert got_tree == want_tree
+  for x, y in zip(got_leaves, want_leaves, strict=True):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
