@@ -50,6 +50,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   layout = experiment_layout(cfg)
   ev.record("backend")
   cfg = fit.resumed(cfg, workdir)
+  # A QLoRA base whose scales the mesh cannot split: one line, before the step compiles
+  qlora.check_mesh(nnx.state(models.abstract(cfg.model), nnx.Param), layout)
   check_workdir(cfg, workdir)
   files.check_creatable(workdir, checkpoint.directory(workdir))  # before any data is read
   kinds.check(cfg)
@@ -204,9 +206,6 @@ def start_state(cfg, tx, layout, workdir: str):
   loaded, `Checkpoints.restore_data`); else a fresh state, with the weights of `cfg.init_from`
   in place of its fresh params (what init_from does not give, adapters and init_reinit, stays
   fresh). A new run writes nothing here: a checkpoint that does not fit leaves no workdir."""
-  qlora.check_mesh(
-    nnx.state(models.abstract(cfg.model), nnx.Param), layout
-  )  # one line, not a crash
   abstract, shardings = steps.placed_abstract_state(cfg, tx, layout)
   if checkpoint.has_steps(workdir):
     ckpts = checkpoint.Checkpoints(workdir, keep=cfg.train.keep_checkpoints)
