@@ -326,7 +326,10 @@ class Distill(tasks.Task):
         "(nnx_zoo.common.tasks.distill)."
       )
     check_settings(cfg.distill, cfg)
-    return Distill(cfg.distill, teacher_of(cfg))
+    teacher = teacher_of(cfg)
+    if teacher.quant:
+      teacher.abstract()  # a kernel qlora cannot store is refused before anything is written
+    return Distill(cfg.distill, teacher)
 
   def show(self, cfg) -> list[str]:
     from nnx_zoo.common.hub import weights
