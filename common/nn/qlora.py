@@ -109,7 +109,13 @@ def apply(model: nnx.Module, lora_cfg) -> nnx.Module:
   """Stores the kernel of every Linear in the blocks of `model` quantized as
   `lora_cfg.base_quant` says (checked, with every kernel's shape, before any is changed)."""
   check(lora_cfg)
-  kind = lora_cfg.base_quant
+  return store(model, lora_cfg.base_quant)
+
+
+def store(model: nnx.Module, kind: str, *, key: str = "model.lora.base_quant") -> nnx.Module:
+  """Stores the kernel of every Linear in the blocks of `model` quantized as `kind` ("": as it
+  is), with no adapters asked for: `apply`'s body, and a frozen model's (a distillation teacher,
+  whose setting `key` names in errors)."""
   if not kind:
     return model
   linears = list(_block_linears(model))
@@ -117,9 +123,9 @@ def apply(model: nnx.Module, lora_cfg) -> nnx.Module:
     shape = lin.kernel.shape
     if shape[-2] % BLOCK:
       raise UserError(
-        f"model.lora.base_quant={kind!r} quantizes in blocks of {BLOCK} input rows: "
+        f"{key}={kind!r} quantizes in blocks of {BLOCK} input rows: "
         f"{path}.kernel {list(shape)} has {shape[-2]} (not a multiple of {BLOCK}). Use "
-        "base_quant='' for this model."
+        f"{key}='' for this model."
       )
   for _, lin in linears:
     codes, scale = quantize(lin.kernel[...], kind=kind)

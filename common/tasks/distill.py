@@ -6,7 +6,10 @@ convert` output, a Hugging Face directory or a .gguf file. It is frozen: its par
 step in the batch (`tasks.FROZEN`, added by `complete`), placed on the mesh by the same rules as
 the student's params and split over it as they are; the step differentiates the student's only,
 and the optimizer holds no state for the teacher. It runs in its own dtype (its checkpoint's
-model config), inside the train step, beside the student's forward pass.
+model config), inside the train step, beside the student's forward pass. With
+`distill.teacher_quant` ("int8", "int4", "nf4") the kernels of its blocks' Linears are stored as
+QLoRA stores a frozen base (common/nn/qlora.py: quantized as each is read, never a whole fp32
+copy; dequantized inside the step to its dtype); its embeddings, head and norms stay as they are.
 
 The student is `init_from`'s model (as chat/sft), or, with `distill.student_layers` ("every:2",
 or a list "0,2,4"), a model of init_from's family made of those of its layers (DistilBERT and
@@ -58,7 +61,7 @@ from flax import nnx
 
 from nnx_zoo.common import models, parallel, sampling, tasks
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import aux
+from nnx_zoo.common.nn import aux, qlora
 from nnx_zoo.common.tasks import losses
 
 
@@ -66,8 +69,8 @@ def config(**kw) -> ml_collections.ConfigDict:
   """The `distill` section (see the module docstring)."""
   cfg = {
     "teacher": "",  # the checkpoint to learn from (required)
-    # The teacher's frozen weights quantized as model.lora.base_quant quantizes a base ("": its
-    # own dtype).
+    # The teacher's blocks' kernels stored as model.lora.base_quant stores a frozen base: "int8",
+    # "int4" or "nf4" ("": in its own dtype).
     "teacher_quant": "",
     "student_layers": "",  # "": init_from's model; "every:K" or "0,2,4": those of its layers
     "loss": "forward_kl",  # or "reverse_kl", "jsd"
@@ -93,12 +96,36 @@ class Teacher:
   path: str
   kind: str
   model: ml_collections.ConfigDict
+  quant: str = ""  # distill.teacher_quant: its blocks' kernels stored quantized (qlora.store)
 
   def run_config(self, seed: int = 0) -> ml_collections.ConfigDict:
     """A config whose init_from is the teacher (what `weights.init_from_params` reads)."""
     return ml_collections.ConfigDict(
       {"model": self.model.to_dict(), "init_from": self.path, "seed": seed, "init_reinit": ""}
     )
+
+  def abstract(self) -> nnx.Module:
+    """The teacher's model with ShapeDtypeStructs for weights, its blocks' kernels as `quant`
+    stores them."""
+    if not self.quant:
+      return models.abstract(self.model)
+    return nnx.eval_shape(
+      lambda: qlora.store(models.build(self.model), self.quant, key="distill.teacher_quant")
+    )
+
+  def params(self, seed: int = 0, layout=None) -> nnx.State:
+    """The teacher's weights, placed on `layout`'s mesh as the train step places the student's;
+    with `quant`, each block kernel quantized as it is read (`qlora.quantizer`, as a QLoRA base
+    is loaded)."""
+    from nnx_zoo.common.hub import weights
+
+    cfg = self.run_config(seed)
+    if not self.quant:
+      return weights.init_from_params(cfg, layout)[1]
+    params = nnx.state(self.abstract(), nnx.Param)
+    cfg.model.lora.base_quant = self.quant  # what `init_params` quantizes as it reads
+    loaded = weights.init_params(cfg, params)  # every weight is the checkpoint's: none is fresh
+    return weights.with_init_from(loaded, params, parallel.placement(params, layout))
 
 
 def vocabulary(tokenizer) -> list[str]:
@@ -145,13 +172,6 @@ def _teacher(path: str, student_tokenizer: str, student_vocab: int, quant: str) 
     )
   src = weights.source(path)
   model = models.upgrade(src.model.to_dict())
-  if quant:
-    if "base_quant" not in model.lora:
-      raise UserError(
-        f"distill.teacher_quant={quant!r}: quantizing a frozen model (model.lora.base_quant) is "
-        "not available yet in this zoo: set distill.teacher_quant='' (the teacher's own dtype)."
-      )
-    model.lora.base_quant = quant
   if src.tokenizer is None:
     raise UserError(
       f"distill.teacher={path!r} ({src.kind}) has no tokenizer, so its token ids cannot be "
@@ -163,7 +183,7 @@ def _teacher(path: str, student_tokenizer: str, student_vocab: int, quant: str) 
       f"The teacher's output covers {model.vocab_size} ids and the student's {student_vocab}: "
       "distillation compares them id by id, so give models with the same vocabulary size."
     )
-  return Teacher(src.path, src.kind, model)
+  return Teacher(src.path, src.kind, model, quant)
 
 
 def teacher_of(cfg) -> Teacher:
@@ -185,6 +205,11 @@ def check_settings(s, cfg):
     raise UserError(
       f"The distill task learns the teacher's next-token distributions over rows of text or "
       f"chat: set --config.data.format=chat or text (it is {fmt!r})."
+    )
+  if s.teacher_quant not in qlora.KINDS:
+    raise UserError(
+      f"Unknown distill.teacher_quant {s.teacher_quant!r}: use one of "
+      f"{', '.join(map(repr, qlora.KINDS))} ('': the teacher in its own dtype)."
     )
   if s.loss not in losses.DIVERGENCES:
     raise UserError(f"Unknown distill.loss {s.loss!r}: use one of {', '.join(losses.DIVERGENCES)}.")
@@ -226,7 +251,7 @@ class Distill(tasks.Task):
 
   @functools.cached_property
   def _teacher_graphdef(self):
-    return nnx.graphdef(models.abstract(self.teacher.model))
+    return nnx.graphdef(self.teacher.abstract())
 
   def _terms(self, model, batch):
     """Per target [B, T]: the divergence D at the temperature, the next-token cross-entropy, and
@@ -301,7 +326,10 @@ class Distill(tasks.Task):
         "(nnx_zoo.common.tasks.distill)."
       )
     check_settings(cfg.distill, cfg)
-    return Distill(cfg.distill, teacher_of(cfg))
+    teacher = teacher_of(cfg)
+    if teacher.quant:
+      teacher.abstract()  # a kernel qlora cannot store is refused before anything is written
+    return Distill(cfg.distill, teacher)
 
   def show(self, cfg) -> list[str]:
     from nnx_zoo.common.hub import weights
@@ -309,8 +337,9 @@ class Distill(tasks.Task):
     t = self.teacher
     lines = [
       f"# teacher: {t.path} ({t.kind}): {t.model.family}, {t.model.num_layers} layers, "
-      f"{models.num_params(t.model):,} parameters, {t.model.dtype}, frozen (no gradient, no "
-      "optimizer state)"
+      f"{models.num_params(t.model):,} parameters, {t.model.dtype}"
+      + (f", its blocks' kernels stored {t.quant}" if t.quant else "")
+      + ", frozen (no gradient, no optimizer state)"
     ]
     spec = weights.layer_spec(cfg)
     count = weights.source(cfg.init_from).model.num_layers if spec else 0
@@ -330,13 +359,12 @@ class Distill(tasks.Task):
     """The teacher's params placed on the mesh as the student's are (unless every batch brings
     the teacher's prepared outputs), and the on-policy sampler's settings."""
     from nnx_zoo.common.data import prepared
-    from nnx_zoo.common.hub import weights
 
     self._layout = layout
     self._seed = int(cfg.seed)
     self._teacher_params = None
     if not prepared.reads_teacher(cfg) or self.s.lmbda > 0:
-      _, self._teacher_params = weights.init_from_params(self.teacher.run_config(cfg.seed), layout)
+      self._teacher_params = self.teacher.params(cfg.seed, layout)
     if self.s.lmbda > 0:
       from nnx_zoo.common.data import chat, tokenizers
 
