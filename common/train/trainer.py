@@ -70,7 +70,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
   # The hang watchdog (started with the loop) and $NNX_ZOO_INJECT's test faults, checked now
   process, processes = jax.process_index(), jax.process_count()
   guard = watchdog.Watchdog(
-    cfg.train.watchdog_s, workdir=workdir, process=process, processes=processes
+    cfg.train.watchdog_s,
+    workdir=workdir,
+    process=process,
+    processes=processes,
+    warmup_steps=cfg.train.log_every,
   )
   injected = inject.from_env(workdir, process=process)
 

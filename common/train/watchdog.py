@@ -11,9 +11,11 @@ restarts it. Stdlib only: the supervisor imports it without jax.
 The limit (`limit_s`): `train.watchdog_s` seconds between two steps when > 0; 0 turns the
 watchdog (and the progress file) off; -1 (the default) scales with the run, `AUTO_FACTOR` times
 the slowest step seen in the last ~`WINDOW` steps (the first step excluded), at least
-`AUTO_MIN_S`. The watchdog starts with the training loop; until its first step has ended (which
-compiles the step) and while it evaluates (which compiles its own program), `FIRST_S` more are
-allowed.
+`AUTO_MIN_S`. The watchdog starts with the training loop; until its first `warmup_steps` steps
+have ended (the first compiles the step; the trainer passes `train.log_every`, as jax dispatches
+steps ahead of the device and the loop first waits for them all at the first logged step, so a
+slow step's time is only seen from there) and while it evaluates (which compiles its own
+program), `FIRST_S` more are allowed.
 """
 
 import contextlib
@@ -62,7 +64,14 @@ class Watchdog:
   ends the process (os._exit(HUNG)); tests pass their own."""
 
   def __init__(
-    self, limit_s: float, *, workdir: str, process: int, processes: int = 1, on_hang=None
+    self,
+    limit_s: float,
+    *,
+    workdir: str,
+    process: int,
+    processes: int = 1,
+    warmup_steps: int = 1,
+    on_hang=None,
   ):
     if limit_s < 0 and limit_s != AUTO:
       raise UserError(
@@ -72,7 +81,7 @@ class Watchdog:
     self.setting, self.workdir, self.process = float(limit_s), workdir, process
     self.wait_s = EXIT_WAIT_S if processes > 1 else 0.0
     self.on_hang = on_hang or (lambda: os._exit(HUNG))
-    self.step, self.steps_seen = 0, 0
+    self.step, self.steps_seen, self.warmup_steps = 0, 0, max(1, warmup_steps)
     self.last = time.monotonic()  # when the step last advanced (or start-up began)
     self.extra = FIRST_S  # until the first step has ended
     self.slowest, self.slowest_before = 0.0, 0.0  # this window's slowest step, the last one's
@@ -100,7 +109,8 @@ class Watchdog:
       if self.steps_seen % WINDOW == 0:
         self.slowest_before, self.slowest = self.slowest, 0.0
     self.steps_seen += 1
-    self.step, self.last, self.extra = step, now, 0.0
+    self.step, self.last = step, now
+    self.extra = FIRST_S if self.steps_seen < self.warmup_steps else 0.0
 
   @contextlib.contextmanager
   def allowing(self, seconds: float | None = None):

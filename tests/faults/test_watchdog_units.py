@@ -141,6 +141,19 @@ def test_start_up_and_evaluation_get_their_allowance(tmp_path, fast):
   assert fired.is_set() and "step2" in dog.fired
 
 
+def test_the_allowance_lasts_until_the_first_logged_step(tmp_path):
+  # jax dispatches steps ahead; the loop first waits for them at its first logged step, so the
+  # steps before it are no measure of a step's time (a distillation run under load waited 300 s
+  # there for five queued steps and was taken as hung).
+  dog = watchdog.Watchdog(watchdog.AUTO, workdir=str(tmp_path), process=0, warmup_steps=3)
+  for step in (1, 2):
+    dog.beat(step)
+    assert dog.limit_s() == watchdog.AUTO_MIN_S + watchdog.FIRST_S
+  dog.last -= 400.0  # the first logged step waited for the steps queued before it
+  dog.beat(3)
+  assert dog.limit_s() == pytest.approx(watchdog.AUTO_FACTOR * 400.0, rel=1e-3)
+
+
 def test_the_automatic_limit_follows_the_slowest_recent_step(tmp_path):
   dog = watchdog.Watchdog(watchdog.AUTO, workdir=str(tmp_path), process=0)
   assert dog.limit_s() == watchdog.AUTO_MIN_S + watchdog.FIRST_S
