@@ -23,7 +23,8 @@ Time:      20 steps of 8 rows of 257 tokens and 4 held-out batches: 8.8 CPU-min 
 Expected:  the issue's target: the distilled student below the SFT one on both held-out
            teacher_kl and next_token_loss. Measured: 2026-12-06, distill and SFT (--config.distill.alpha=1) run at once, the same
            settings, both with --config.train.watchdog_s=0 (on this CPU at load 10-16 the
-           watchdog's 300 s floor fired while the log step waited for queued steps). Training
+           watchdog's 300 s floor fired while the log step waited for queued steps; its start-up
+           allowance now lasts to the first logged step). Training
            lines (the batch's own tokens, teacher_kl to the int8 teacher):
              step  5: distill loss 7.60, teacher_kl 7.60 | SFT next-token loss 12.31, kl 7.66
              step 10: distill 5.59, teacher_kl 5.60    | SFT 9.78, teacher_kl 5.85
