@@ -21,7 +21,8 @@ Hardware:  a 2-core CPU shared with other jobs. Memory: the teacher's blocks' ke
 Time:      20 steps of 8 rows of 257 tokens and 4 held-out batches: 8.8 CPU-min (distill) and
            8.9 (SFT), each peaking at 4.65 GB RSS (`/usr/bin/time -v`; 2026-12-06).
 Expected:  the issue's target: the distilled student below the SFT one on both held-out
-           teacher_kl and next_token_loss. Measured: 2026-12-06, distill and SFT (--config.distill.alpha=1) run at once, the same
+           teacher_kl and next_token_loss. Measured: 2026-12-06, distill and SFT
+           (--config.distill.alpha=1) run at once, the same
            settings, both with --config.train.watchdog_s=0 (on this CPU at load 10-16 the
            watchdog's 300 s floor fired while the log step waited for queued steps; its start-up
            allowance now lasts to the first logged step). Training
