@@ -237,8 +237,10 @@ def agreed_budget() -> device_memory.Budget | None:
     return has
   from jax.experimental import multihost_utils
 
-  least = multihost_utils.process_allgather(np.asarray(has.bytes, np.int64)).min()
-  return dataclasses.replace(has, bytes=int(least))
+  # In KiB: jax gathers int32 unless x64 is on, and a host's bytes overflow it (a negative
+  # budget refused every two-process run on a machine with more than 4 GiB free).
+  kib = multihost_utils.process_allgather(np.asarray(has.bytes // 1024, np.int32))
+  return dataclasses.replace(has, bytes=int(np.min(kib)) * 1024)
 
 
 @dataclasses.dataclass

@@ -200,7 +200,10 @@ def test_a_hang_fires_both_watchdogs_and_the_restarted_job_ends_equal(tmp_path, 
     (event,) = restarts(workdir, p)
     assert event["attempt"] == 1 and event["process"] == p
     assert event["resumed_from"] == 4
-  assert restarts(workdir, 1)[0]["cause"] == f"watchdog (exit {watchdog.HUNG})"
+  # The hung process leaves by its watchdog's exit, or (when the coordinator, process 0, has
+  # left first after its own dump) by JAX's abort: the dumps above are written either way.
+  causes = (f"watchdog (exit {watchdog.HUNG})", "signal 6 (SIGABRT)")
+  assert restarts(workdir, 1)[0]["cause"] in causes
   assert resumed_at is not None
   last_restart = max(restarts(workdir, p)[0]["t"] for p in (0, 1)) - hung_at
   REPORT.append(f"hang: the last supervisor restarted its child {last_restart:.1f} s after it")
