@@ -223,8 +223,11 @@ def _shapes(rule: Rule, want) -> tuple:
 
 def _held(rule: Rule, want) -> int:
   """The values a rule holds at most while converting its HF tensors: theirs, twice where it
-  transposes them (a copy)."""
+  transposes them (a copy). A rule with no zoo parameter (`keymap.fixed`: checked, dropped)
+  holds its tensors only, and is not traced: its check needs their values."""
   shapes = _shapes(rule, want)
+  if not rule.zoo:
+    return sum(math.prod(s) for s in shapes)
   jaxpr = jax.make_jaxpr(rule.to_zoo)(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes))
   copies = 2 if any(e.primitive.name == "transpose" for e in jaxpr.eqns) else 1
   return copies * sum(math.prod(s) for s in shapes)
