@@ -101,8 +101,8 @@ def test_a_step_that_fits_is_unchanged(monkeypatch):
 def test_refused_in_one_line_exit_2_nothing_written(monkeypatch, tmp_path, capsys):
   monkeypatch.setenv(device_memory.BUDGET, "1KiB")
   workdir = tmp_path / "run"
-  # Every lever pulled already (one row, remat full): one compile, no candidate to try.
-  pulled = ["--config.model.remat=full", "--config.train.batch_size=1"]
+  # Every lever pulled already (one row, remat full in a scan): one compile, no candidate to try.
+  pulled = ["--config.model.remat=full", "--config.model.scan=true", "--config.train.batch_size=1"]
   code = cli.main(["run", SMOKE, "--workdir", str(workdir), "--quiet", *pulled])
   err = capsys.readouterr().err.strip()
   assert code == 2 and len(err.splitlines()) == 1, err
@@ -122,7 +122,9 @@ def test_candidates_accumulate_in_their_order(monkeypatch):
   monkeypatch.setattr(attention_impl, "IMPLS", without)
   cfg = experiments.get_config(SMOKE, {"train.batch_size": "8"})
   got = fit.candidates(cfg, {"data": 1})
-  assert got[:2] == [{"model.remat": "save_dots"}, {"model.remat": "full"}]
+  # The smoke model's blocks are not scanned: each remat candidate scans them too.
+  scan = {"model.scan": True}
+  assert got[:2] == [{"model.remat": "save_dots", **scan}, {"model.remat": "full", **scan}]
   assert [c["train.micro_batches"] for c in got[2:]] == [2, 4, 8]
   assert all(c["model.remat"] == "full" for c in got[2:])
   # A large vocabulary adds the chunked loss; blocked attention comes after it where the zoo
@@ -134,9 +136,27 @@ def test_candidates_accumulate_in_their_order(monkeypatch):
   assert all("model.attention.impl" not in c for c in short)
   cfg.data.seq_len = 2 * attention_blocked.BLOCK
   got = fit.candidates(cfg, {"data": 1})
-  assert got[2] == {"model.remat": "full", "train.loss_chunk": fit.LOSS_CHUNK}
+  assert got[2] == {"model.remat": "full", **scan, "train.loss_chunk": fit.LOSS_CHUNK}
   assert got[3] == {**got[2], "model.attention.impl": "blocked"}
   assert got[4] == {**got[3], "train.micro_batches": 2}
+
+
+def test_remat_candidates_scan_the_blocks_and_lower_the_step():
+  # XLA keeps a rematerialised stack of unrolled blocks' activations (it schedules every
+  # recomputation early): remat alone barely lowers the step. Scanned, it does.
+  cfg = experiments.get_config(
+    "lm/shakespeare-char",
+    {"model.num_layers": "6", "data.seq_len": "256", "train.batch_size": "4"},
+  )
+  assert not cfg.model.scan
+  full = fit.candidates(cfg, {"data": 1})[1]
+  assert full == {"model.remat": "full", "model.scan": True}
+  base, unrolled = needs(cfg), needs(fit.with_overrides(cfg, {"model.remat": "full"}))
+  scanned = needs(fit.with_overrides(cfg, full))
+  assert unrolled > 0.8 * base and scanned < 0.5 * base, (base, unrolled, scanned)
+  # Blocks already scanned and rematerialised: no remat lever left.
+  assert not [c for c in fit.levers(fit.with_overrides(cfg, full), {"data": 1, "fsdp": 1})
+              if "model.scan" in c.overrides or "model.remat" in c.overrides]  # fmt: skip
 
 
 @pytest.mark.skipif("blocked" not in attention_impl.IMPLS, reason="blocked attention not merged")
@@ -212,6 +232,6 @@ def test_show_memory(monkeypatch, capsys):
   assert "# memory: the train step needs" in out and "has 64.00 GiB (NNX_ZOO_MEMORY_BUDGET)" in out
   assert "# memory: fits; train.fit changes nothing" in out
   monkeypatch.setenv(device_memory.BUDGET, "1KiB")
-  pulled = ["--config.model.remat=full", "--config.train.batch_size=1"]
+  pulled = ["--config.model.remat=full", "--config.model.scan=true", "--config.train.batch_size=1"]
   assert cli.main(["show", SMOKE, "--memory", *pulled]) == 0
   assert "# memory: DOES NOT FIT" in capsys.readouterr().out
