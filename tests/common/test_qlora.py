@@ -84,6 +84,23 @@ def test_the_model_computes_with_the_dequantized_kernels_and_nf4_base_bytes():
   )
 
 
+def test_a_scanned_stack_is_quantized_and_computes_as_the_unscanned_one():
+  """With model.scan the blocks are stored stacked (`stacked`, `rest`): their kernels are
+  quantized as the unscanned blocks' are, and the model computes the same logits from the
+  same weights."""
+  plain = models.build(llama_cfg("nf4"))
+  cfg = llama_cfg("nf4")
+  cfg.scan = True
+  scanned = models.build(cfg)
+  params = nnx.state(plain, nnx.Param)
+  assert qlora.base_bytes(nnx.state(scanned, nnx.Param)) == qlora.base_bytes(params)
+  nnx.update(scanned, stacking.match_layers(params, nnx.state(scanned, nnx.Param)))
+  forward = nnx.jit(lambda m, t: m(t))
+  np.testing.assert_allclose(
+    np.asarray(forward(scanned, TOKENS)), np.asarray(forward(plain, TOKENS)), rtol=1e-5, atol=1e-5
+  )
+
+
 def test_gradients_reach_the_adapters_only():
   """A step changes the adapters alone; the optimizer holds moments for them alone; the base
   stays its quantized codes."""
@@ -335,6 +352,7 @@ def test_bad_input_in_the_layers():
     {"model.lora.rank": "4", "train.ema": "0.9"},
     {"model.lora.rank": "4", "model.scan": "True", "init_reinit": "head.*"},
     {"model.lora.rank": "4", "model.lora.base_quant": "nf4"},
+    {"model.lora.rank": "4", "model.lora.base_quant": "nf4", "model.scan": "True"},
   ],
 )
 def test_start_from_init_from_is_the_fresh_state_with_its_weights_in_place(tmp_path, over):
