@@ -95,13 +95,16 @@ def torch_worker(args):
 
   torch.set_num_threads(len(os.sched_getaffinity(0)))
   path = paths.resolve(args.model)
-  kwargs = {"gguf_file": os.path.basename(path)}
+  where, kwargs = os.path.dirname(path), {"gguf_file": os.path.basename(path)}
   if args.mode == "bnb-nf4":
+    # transformers does not quantize a GGUF file as it loads it: read the safetensors copy
+    # `hf_copy` wrote in its own process, so this one's peak is bitsandbytes' alone.
+    where, kwargs = hf_copy(args.model), {}
     kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
       load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
     )
   model = transformers.AutoModelForCausalLM.from_pretrained(
-    os.path.dirname(path), dtype=torch.float32, attn_implementation="sdpa", **kwargs
+    where, dtype=torch.float32, attn_implementation="sdpa", **kwargs
   )
   if args.mode != "full":
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -124,6 +127,26 @@ def torch_worker(args):
     opt.zero_grad(set_to_none=True)
     del logits
   print(json.dumps({"ran": True, "loss": float(loss), "peak_rss": peak_rss()}))
+
+
+def hf_copy(model: str) -> str:
+  """A Hugging Face directory (safetensors) of the GGUF file `model`, written once by a
+  subprocess."""
+  import tempfile
+
+  out = os.path.join(tempfile.gettempdir(), "nnx-zoo-bench-hf", os.path.basename(model))
+  if not os.path.exists(os.path.join(out, "config.json")):
+    # A model read from GGUF refuses save_pretrained: its weights go into a plain one.
+    code = (
+      "import os, sys, transformers; from nnx_zoo.common.hub import paths;"
+      "A = transformers.AutoModelForCausalLM; p = paths.resolve(sys.argv[1]);"
+      "m = A.from_pretrained(os.path.dirname(p), gguf_file=os.path.basename(p));"
+      "c = m.config; c.__dict__.pop('quantization_config', None);"
+      "plain = A.from_config(c); plain.load_state_dict(m.state_dict());"
+      "plain.save_pretrained(sys.argv[2])"
+    )
+    subprocess.run([sys.executable, "-c", code, model, out], check=True)
+  return out
 
 
 # The driver
