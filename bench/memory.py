@@ -158,6 +158,9 @@ def run_worker(kind: str, mode: str, T: int, args) -> dict:
   start = time.perf_counter()
   done = subprocess.run(cmd, capture_output=True, text=True)
   lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+  if done.returncode < 0:  # the kernel's OOM killer sends SIGKILL
+    why = f"killed by signal {-done.returncode} (SIGKILL: out of memory, as dmesg says?)"
+    return {"ran": False, "why": why, "seconds": time.perf_counter() - start}
   if done.returncode or not lines:
     tail = (done.stderr.strip().splitlines() or ["?"])[-1][:200]
     return {"ran": False, "why": f"failed: {tail}", "seconds": time.perf_counter() - start}
