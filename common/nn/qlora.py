@@ -36,9 +36,6 @@ from qwix._src.core import qarray  # qwix 0.1.8 exports quantize/dequantize only
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import stacking
 
-# Where a stack holds its blocks: one per layer, or (model.scan) stacked and the rest.
-STACKS = frozenset((stacking.BLOCKS, stacking.STACKED, stacking.REST))
-
 KINDS = ("", "int8", "int4", "nf4")
 BLOCK = 64  # input rows per scale
 # qwix's logical type of each kind.
@@ -69,7 +66,7 @@ def check(lora_cfg):
 def is_kernel(path: tuple) -> bool:
   """Whether the parameter at `path` (one tree per layer, or stacked) is the kernel of a Linear
   in the blocks: what base_quant quantizes."""
-  return bool(path) and path[-1] == "kernel" and not STACKS.isdisjoint(path[:-1])
+  return bool(path) and path[-1] == "kernel" and stacking.in_layer(path)
 
 
 @functools.partial(jax.jit, static_argnames="kind")

@@ -147,6 +147,12 @@ def _split_path(path: tuple):
   return None
 
 
+def in_layer(path: tuple) -> bool:
+  """Whether `path` (a state's, ints as ints) is inside one of a stack's layers, whatever the
+  layout: `blocks`, or with model.scan `stacked` and `rest`."""
+  return _split_path(path) is not None
+
+
 def layouts(paths) -> dict[tuple, int]:
   """The stacks that key `paths` (tuples; a state's, or a checkpoint's) store stacked: stack
   prefix -> the period of its pattern (the slots of `stacked`)."""
