@@ -142,8 +142,9 @@ def test_candidates_accumulate_in_their_order(monkeypatch):
 
 
 def test_remat_candidates_scan_the_blocks_and_lower_the_step():
-  # XLA keeps a rematerialised stack of unrolled blocks' activations (it schedules every
-  # recomputation early): remat alone barely lowers the step. Scanned, it does.
+  # XLA:CPU in jax 0.10 keeps a rematerialised stack of unrolled blocks' activations (it
+  # schedules every recomputation early): remat alone lowers that step by 5%. jax 0.12's does
+  # not; scanned, the step is lower on both, which is why the lever scans.
   cfg = experiments.get_config(
     "lm/shakespeare-char",
     {"model.num_layers": "6", "data.seq_len": "256", "train.batch_size": "4"},
@@ -151,9 +152,8 @@ def test_remat_candidates_scan_the_blocks_and_lower_the_step():
   assert not cfg.model.scan
   full = fit.candidates(cfg, {"data": 1})[1]
   assert full == {"model.remat": "full", "model.scan": True}
-  base, unrolled = needs(cfg), needs(fit.with_overrides(cfg, {"model.remat": "full"}))
-  scanned = needs(fit.with_overrides(cfg, full))
-  assert unrolled > 0.8 * base and scanned < 0.5 * base, (base, unrolled, scanned)
+  base, scanned = needs(cfg), needs(fit.with_overrides(cfg, full))
+  assert scanned < 0.5 * base, (base, scanned)
   # Blocks already scanned and rematerialised: no remat lever left.
   assert not [c for c in fit.levers(fit.with_overrides(cfg, full), {"data": 1, "fsdp": 1})
               if "model.scan" in c.overrides or "model.remat" in c.overrides]  # fmt: skip
