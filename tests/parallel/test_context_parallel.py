@@ -5,41 +5,25 @@ context size resumes on another; and what a context mesh refuses. Blocked attent
 (`attention.impl="blocked"`) on meshes of data, fsdp and tensor equals one device too."""
 
 import json
-import os
-import pathlib
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multidevice, pytest.mark.slow]
 FAMILIES = ["llama", "gemma2", "gemma3", "gpt2", "qwen3-moe", "llama:scan", "gemma2:ring"]
 BLOCKED = ["llama:blocked", "gemma2:blocked"]
 
 
-def run(args: list[str], devices: int = 8) -> subprocess.CompletedProcess:
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-  return subprocess.run(
-    [sys.executable, "-P", *args], cwd=ROOT, env=env, capture_output=True, text=True
-  )
-
-
 @pytest.fixture(scope="module")
-def results():
+def results(forced_devices):
   """Every family's results from one subprocess (one jax start-up for all)."""
-  proc = run([str(ROOT / "tests" / "parallel" / "context_worker.py"), *FAMILIES])
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return forced_devices.worker("context_worker.py", *FAMILIES)
 
 
 @pytest.fixture(scope="module")
-def blocked_results():
-  proc = run([str(ROOT / "tests" / "parallel" / "context_worker.py"), *BLOCKED])
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+def blocked_results(forced_devices):
+  return forced_devices.worker("context_worker.py", *BLOCKED)
 
 
 @pytest.mark.parametrize("name", BLOCKED)
@@ -87,7 +71,9 @@ def assert_equal_single_device(results, name):
   assert (permutes > 0) == name.endswith(":ring"), permutes
 
 
-def zoo_run(workdir, *, context: int, fsdp: int, steps: int, devices: int = 8, command="run"):
+def zoo_run(
+  forced, workdir, *, context: int, fsdp: int, steps: int, devices: int = 8, command="run"
+):
   exp = "lm/shakespeare-char:smoke"
   args = ["-m", "nnx_zoo.common.cli", command, exp, "--workdir", str(workdir)]
   args += ["--quiet"] if command == "run" else []
@@ -96,9 +82,7 @@ def zoo_run(workdir, *, context: int, fsdp: int, steps: int, devices: int = 8, c
   args += ["--config.train.batch_size=8", "--config.train.log_every=1"]
   args += ["--config.optim.schedule=constant", "--config.optim.warmup_steps=2"]
   args += ["--config.train.eval_every=6"]  # held-out loss at the end of the 6-step runs
-  proc = run(args, devices=devices)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return proc
+  return forced.succeed(args, devices)
 
 
 def losses(workdir, split=None) -> dict[int, float]:
@@ -106,25 +90,25 @@ def losses(workdir, split=None) -> dict[int, float]:
   return {x["step"]: x["loss"] for x in lines if x.get("split") == split}
 
 
-def test_saved_on_one_context_size_resumes_on_another(tmp_path):
+def test_saved_on_one_context_size_resumes_on_another(tmp_path, forced_devices):
   """6 steps on (fsdp 2, context 4) straight; 3 steps on (fsdp 2, context 4), resumed on
   (fsdp 1, context 8) and on one device for steps 4-6: the same losses, and the same held-out
   loss at step 6 (evaluated with each row split over context, or whole on one device), which
   `zoo eval` on the context mesh gives again."""
   straight = tmp_path / "straight"
-  zoo_run(straight, context=4, fsdp=2, steps=6)
+  zoo_run(forced_devices, straight, context=4, fsdp=2, steps=6)
   saved = tmp_path / "saved"
-  zoo_run(saved, context=4, fsdp=2, steps=3)
+  zoo_run(forced_devices, saved, context=4, fsdp=2, steps=3)
   for name, context, fsdp, devices in [("context8", 8, 1, 8), ("one", 1, 1, 1)]:
     workdir = tmp_path / name
     shutil.copytree(saved, workdir)
-    zoo_run(workdir, context=context, fsdp=fsdp, steps=6, devices=devices)
+    zoo_run(forced_devices, workdir, context=context, fsdp=fsdp, steps=6, devices=devices)
     got, want = losses(workdir), losses(straight)
     for step in (4, 5, 6):
       assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
     held_out = losses(workdir, "eval")[6]
     assert held_out == pytest.approx(losses(straight, "eval")[6], rel=1e-5), name
-  proc = zoo_run(straight, context=4, fsdp=2, steps=6, command="eval")
+  proc = zoo_run(forced_devices, straight, context=4, fsdp=2, steps=6, command="eval")
   again = json.loads(proc.stdout.strip().splitlines()[-1])
   assert again["step"] == 6
   assert again["loss"] == pytest.approx(losses(straight, "eval")[6], rel=1e-6)
@@ -145,8 +129,12 @@ def test_saved_on_one_context_size_resumes_on_another(tmp_path):
     ),
   ],
 )
-def test_a_context_mesh_that_does_not_fit_is_refused_before_compiling(tmp_path, exp, args, message):
-  proc = run(["-m", "nnx_zoo.common.cli", "run", exp, "--workdir", str(tmp_path / "x"), *args])
+def test_a_context_mesh_that_does_not_fit_is_refused_before_compiling(
+  tmp_path, forced_devices, exp, args, message
+):
+  proc = forced_devices.run(
+    ["-m", "nnx_zoo.common.cli", "run", exp, "--workdir", str(tmp_path / "x"), *args]
+  )
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert message in proc.stderr
   assert "Traceback" not in proc.stderr

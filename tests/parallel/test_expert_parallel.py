@@ -3,10 +3,6 @@
 that does not divide the experts is refused before anything compiles."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,23 +10,13 @@ import pytest
 from nnx_zoo.common import experiments, parallel
 from nnx_zoo.common.errors import UserError
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXP = "lm/shakespeare-moe:smoke"  # 4 experts, top-2, 2 layers
 MESHES = ["(2, 1, 4, 1)", "(1, 2, 2, 2)", "(1, 1, 4, 2)", "(2, 2, 2, 1)"]
 
 
-def run(args: list[str], devices: int = 8, **kw) -> subprocess.CompletedProcess:
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-  return subprocess.run(
-    [sys.executable, "-P", *args], cwd=ROOT, env=env, capture_output=True, text=True, **kw
-  )
-
-
 @pytest.fixture(scope="module")
-def results():
-  proc = run([str(ROOT / "tests" / "parallel" / "expert_worker.py"), EXP])
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+def results(forced_devices):
+  return forced_devices.worker("expert_worker.py", EXP)
 
 
 @pytest.mark.slow
@@ -90,7 +76,7 @@ def test_weights_without_experts_are_stored_over_fsdp_and_expert(results, mesh):
   assert len(scales) == 5 and set(scales) == {"P(None,)"}, scales
 
 
-def zoo_run(workdir, devices: int, mesh: tuple[int, int, int, int], steps: int):
+def zoo_run(forced, workdir, devices: int, mesh: tuple[int, int, int, int], steps: int):
   data, fsdp, expert, tensor = mesh
   args = ["-m", "nnx_zoo.common.cli", "run", EXP, "--workdir", str(workdir), "--quiet"]
   args += [f"--config.mesh.data={data}", f"--config.mesh.fsdp={fsdp}"]
@@ -99,8 +85,7 @@ def zoo_run(workdir, devices: int, mesh: tuple[int, int, int, int], steps: int):
   args += ["--config.train.log_every=1", "--config.train.eval_every=0"]
   # A constant rate with a short warm-up: the schedule must not depend on train.steps here.
   args += ["--config.optim.schedule=constant", "--config.optim.warmup_steps=2"]
-  proc = run(args, devices=devices)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  forced.succeed(args, devices)
 
 
 def logged(workdir) -> dict[int, dict]:
@@ -110,13 +95,13 @@ def logged(workdir) -> dict[int, dict]:
 
 @pytest.mark.slow
 @pytest.mark.multidevice
-def test_saved_on_one_expert_mesh_resumes_on_another(tmp_path):
+def test_saved_on_one_expert_mesh_resumes_on_another(tmp_path, forced_devices):
   """Steps 1-4 on (2, 1, 4, 1) (one expert per device), saved; 5-6 on (2, 2, 2, 1) (two per
   device): every step's loss and aux losses equal an uninterrupted one-device run's."""
   straight, moved = tmp_path / "straight", tmp_path / "moved"
-  zoo_run(straight, 1, (1, 1, 1, 1), 6)
-  zoo_run(moved, 8, (2, 1, 4, 1), 4)
-  zoo_run(moved, 8, (2, 2, 2, 1), 6)
+  zoo_run(forced_devices, straight, 1, (1, 1, 1, 1), 6)
+  zoo_run(forced_devices, moved, 8, (2, 1, 4, 1), 4)
+  zoo_run(forced_devices, moved, 8, (2, 2, 2, 1), 6)
   got, want = logged(moved), logged(straight)
   assert sorted(got) == list(range(1, 7))
   for step in range(1, 7):
@@ -133,8 +118,8 @@ def test_expert_size_that_does_not_divide_the_experts_is_refused():
 
 @pytest.mark.slow
 @pytest.mark.multidevice
-def test_zoo_run_refuses_the_mesh_before_compiling(tmp_path):
-  proc = run(
+def test_zoo_run_refuses_the_mesh_before_compiling(tmp_path, forced_devices):
+  proc = forced_devices.run(
     ["-m", "nnx_zoo.common.cli", "run", EXP, "--workdir", str(tmp_path / "x")]
     + ["--config.mesh.expert=8", "--config.train.batch_size=8"]
   )

@@ -4,16 +4,9 @@ batch however it is split over data and fsdp (and the towers' heads and MLPs ove
 denoising loss (its class table of 11 rows sharded over D only), and DPO's loss, each pair's two
 replies on one device."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multidevice, pytest.mark.slow]
 MESHES = ["(8, 1, 1)", "(2, 4, 1)", "(2, 2, 2)"]
 EXPERIMENTS = [
@@ -25,17 +18,8 @@ EXPERIMENTS = [
 
 
 @pytest.fixture(scope="module", params=EXPERIMENTS)
-def results(request):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  proc = subprocess.run(
-    [sys.executable, "-P", str(ROOT / "tests" / "parallel" / "image_worker.py"), request.param],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+def results(request, forced_devices):
+  return forced_devices.worker("image_worker.py", request.param)
 
 
 @pytest.mark.parametrize("mesh", MESHES)

@@ -1,16 +1,9 @@
 """train.loss_chunk under data, FSDP and tensor (vocab-parallel) sharding: the chunked loss and
 gradients equal the plain single-device ones (8 fake CPU devices, in a subprocess)."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multidevice, pytest.mark.slow]
 MESHES = [(1, 1, 2), (2, 2, 2), (1, 4, 2), (8, 1, 1)]
 
@@ -54,18 +47,8 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
-def results(request):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  code = f"MESHES = {MESHES!r}\n" + WORKER
-  proc = subprocess.run(
-    [sys.executable, "-P", "-c", code, request.param],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+def results(request, forced_devices):
+  return forced_devices.results(["-c", f"MESHES = {MESHES!r}\n" + WORKER, request.param])
 
 
 @pytest.mark.parametrize("mesh", [str(m) for m in MESHES])

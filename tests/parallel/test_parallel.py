@@ -18,18 +18,9 @@ pytestmark = [pytest.mark.multidevice, pytest.mark.slow]
 MESHES = ["(2, 2, 2)", "(8, 1, 1)", "(1, 8, 1)", "(1, 4, 2)", "(1, 1, 2)"]
 
 
-def run(args: list[str], devices: int = 8, **kw) -> subprocess.CompletedProcess:
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-  return subprocess.run(
-    [sys.executable, "-P", *args], cwd=ROOT, env=env, capture_output=True, text=True, **kw
-  )
-
-
 @pytest.fixture(scope="module")
-def results():
-  proc = run([str(ROOT / "tests" / "parallel" / "worker.py"), "lm/shakespeare-char:smoke"])
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+def results(forced_devices):
+  return forced_devices.worker("worker.py", "lm/shakespeare-char:smoke")
 
 
 @pytest.mark.parametrize(
@@ -121,20 +112,19 @@ def zoo_args(workdir, mesh: tuple[int, int, int], steps: int) -> list[str]:
   return args + ["--config.train.eval_every=0"]
 
 
-def zoo_run(workdir, devices: int, mesh: tuple[int, int, int], steps: int):
-  proc = run(zoo_args(workdir, mesh, steps), devices=devices)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+def zoo_run(forced, workdir, devices: int, mesh: tuple[int, int, int], steps: int):
+  forced.succeed(zoo_args(workdir, mesh, steps), devices)
 
 
 STRAIGHT_STEPS = 16
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+def straight(tmp_path_factory, forced_devices):
   """One uninterrupted (2, 2, 2) run that the resume tests compare against (the schedule is
   constant, so its first steps are those of any shorter run)."""
   workdir = tmp_path_factory.mktemp("straight")
-  zoo_run(workdir, 8, (2, 2, 2), STRAIGHT_STEPS)
+  zoo_run(forced_devices, workdir, 8, (2, 2, 2), STRAIGHT_STEPS)
   return losses(workdir)
 
 
@@ -143,15 +133,15 @@ def losses(workdir) -> dict[int, float]:
   return {x["step"]: x["loss"] for x in lines if "split" not in x}
 
 
-def test_checkpoint_saved_on_one_mesh_resumes_on_another(tmp_path, straight):
+def test_checkpoint_saved_on_one_mesh_resumes_on_another(tmp_path, straight, forced_devices):
   """Save on (2,2,2); resume on (1,8,1) and on one device: the continued losses equal those of
   an uninterrupted run (to float tolerance: the meshes sum in different orders)."""
   saved = tmp_path / "saved"
-  zoo_run(saved, 8, (2, 2, 2), 4)
+  zoo_run(forced_devices, saved, 8, (2, 2, 2), 4)
   for name, devices, mesh in [("fsdp8", 8, (1, 8, 1)), ("one", 1, (1, 1, 1))]:
     workdir = tmp_path / name
     shutil.copytree(saved, workdir)
-    zoo_run(workdir, devices, mesh, 6)
+    zoo_run(forced_devices, workdir, devices, mesh, 6)
     got = losses(workdir)
     for step in (5, 6):
       assert got[step] == pytest.approx(straight[step], rel=1e-5), (name, step)
@@ -219,15 +209,16 @@ def test_two_processes_that_split_each_row_over_context_match_one_process(tmp_pa
     assert loss == pytest.approx(straight[step], rel=1e-5), step
 
 
-def test_a_run_saved_by_two_processes_resumes_on_one_and_the_reverse(tmp_path, straight):
+def test_a_run_saved_by_two_processes_resumes_on_one_and_the_reverse(
+  tmp_path, straight, forced_devices
+):
   """On a prepared copy of the smoke run's plays: two processes, each reading only its rows,
   save step 4 and one process resumes it to step 6; one process's step 4 resumes on two. Every
   loss equals the uninterrupted run's, which tokenized the plays at start-up: the checkpointed
   iterator state is the next global batch, whatever the number of processes."""
   prepared = tmp_path / "prepared"
   prep = ["-m", "nnx_zoo.common.cli", "data", "prepare", "lm/shakespeare-char:smoke"]
-  proc = run([*prep, "--out", str(prepared), "--workers", "1", "--quiet"], devices=1)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  forced_devices.succeed([*prep, "--out", str(prepared), "--workers", "1", "--quiet"], 1)
   data = ["--config.data.kind=prepared", f"--config.data.path={prepared}"]
   for first, then in (("two", "one"), ("one", "two")):
     workdir = tmp_path / f"{first}-then-{then}"
@@ -235,8 +226,7 @@ def test_a_run_saved_by_two_processes_resumes_on_one_and_the_reverse(tmp_path, s
       if processes == "two":
         finish(two_processes(workdir, steps, extra=data))
       else:
-        proc = run(zoo_args(workdir, (2, 2, 2), steps) + data, devices=8)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        forced_devices.succeed(zoo_args(workdir, (2, 2, 2), steps) + data)
     got = losses(workdir)
     assert sorted(got) == list(range(1, 7)), (first, got)
     for step, loss in got.items():
@@ -279,8 +269,8 @@ def logged_steps(workdir) -> int:
   return path.read_text().count("\n") if path.exists() else 0
 
 
-def test_mesh_that_does_not_fit_is_refused_before_compiling(tmp_path):
-  proc = run(
+def test_mesh_that_does_not_fit_is_refused_before_compiling(tmp_path, forced_devices):
+  proc = forced_devices.run(
     [
       "-m",
       "nnx_zoo.common.cli",

@@ -3,11 +3,7 @@ gradients against one device's (8 fake CPU devices, in a subprocess), the traine
 pipeline sizes, and the configs it refuses."""
 
 import json
-import os
-import pathlib
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -15,8 +11,7 @@ from nnx_zoo.common import experiments, parallel
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import pipeline
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "parallel" / "pipeline_worker.py"
+WORKER = "pipeline_worker.py"  # beside this file
 SCHEDULES = [(2, 1, 2), (4, 1, 4), (4, 1, 5), (2, 3, 4), (4, 2, 5), (4, 2, 8)]
 
 
@@ -105,27 +100,14 @@ def test_pipeline_one_is_off_and_the_new_keys_default_to_it():
   parallel.check_pipeline(cfg, {**SIZES, "pipeline": 1})
 
 
-def run(args: list[str], devices: int = 8) -> subprocess.CompletedProcess:
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-  return subprocess.run(
-    [sys.executable, "-P", *args], cwd=ROOT, env=env, capture_output=True, text=True
-  )
-
-
-def worker(*cases: str) -> dict:
-  proc = run([str(WORKER), *cases])
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.multidevice
 @pytest.mark.slow
-def test_circulate_runs_every_item_once_in_layer_order_and_keeps_nan_bubbles_out():
+def test_circulate_runs_every_item_once_in_layer_order_and_keeps_nan_bubbles_out(forced_devices):
   """The traced schedule on toy stages (pipeline-only meshes of 2 and 4 devices): each
   micro-batch meets every chunk once, in order, and comes back as itself; bubbles filled with
   NaN leave the outputs finite."""
   cases = [f"schedule {s} {r} {m}" for s, r, m in SCHEDULES] + ["schedule 4 2 5 nan"]
-  for name, got in worker(*cases).items():
+  for name, got in forced_devices.worker(WORKER, *cases).items():
     assert got == {"order": True, "count": True, "ids": True, "once": True, "finite": True}, name
 
 
@@ -141,8 +123,8 @@ MODEL_CASES = [
 
 
 @pytest.fixture(scope="module")
-def model_results():
-  return worker(*MODEL_CASES)
+def model_results(forced_devices):
+  return forced_devices.worker(WORKER, *MODEL_CASES)
 
 
 @pytest.mark.multidevice
@@ -192,10 +174,9 @@ P4D2 = {"pipeline": 4, "data": 2}
 P2D2F2 = {"pipeline": 2, "data": 2, "fsdp": 2}
 
 
-def zoo_run(workdir, steps, mesh, **overrides):
+def zoo_run(forced, workdir, steps, mesh, **overrides):
   devices = 1 if mesh == ONE else 8
-  proc = run(zoo_args(workdir, steps, mesh, **overrides), devices=devices)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  forced.succeed(zoo_args(workdir, steps, mesh, **overrides), devices)
 
 
 def losses(workdir) -> dict[int, float]:
@@ -206,22 +187,22 @@ def losses(workdir) -> dict[int, float]:
 @pytest.mark.multidevice
 @pytest.mark.slow
 def test_trainer_on_pipeline_4_x_data_2_equals_one_device_and_resumes_across_pipeline_sizes(
-  tmp_path,
+  tmp_path, forced_devices
 ):
   """Three steps (micro-batches, remat, stochastic depth) on pipeline 4 x data 2 equal one
   device's; saved at step 3, the run goes on to step 5 on one device, and one saved on one
   device goes on on pipeline 2 x data 2 x fsdp 2 with two repeats: every loss equals the
   uninterrupted one-device run's."""
   straight = tmp_path / "straight"
-  zoo_run(straight, 5, ONE)
+  zoo_run(forced_devices, straight, 5, ONE)
   want = losses(straight)
   for name, first, then, extra in [
     ("p4 then one", P4D2, ONE, {}),
     ("one then p2", ONE, P2D2F2, {"model.pipeline_repeats": 2, "train.pipeline_microbatches": 2}),
   ]:
     workdir = tmp_path / name.replace(" ", "-")
-    zoo_run(workdir, 3, first)
-    zoo_run(workdir, 5, then, **extra)
+    zoo_run(forced_devices, workdir, 3, first)
+    zoo_run(forced_devices, workdir, 5, then, **extra)
     got = losses(workdir)
     assert sorted(got) == [1, 2, 3, 4, 5], name
     for step, loss in got.items():
@@ -231,8 +212,10 @@ def test_trainer_on_pipeline_4_x_data_2_equals_one_device_and_resumes_across_pip
 
 @pytest.mark.multidevice
 @pytest.mark.slow
-def test_zoo_run_refuses_a_pipeline_in_one_line_with_exit_code_2(tmp_path):
-  proc = run(zoo_args(tmp_path / "x", 1, {"pipeline": 8, "data": 1}, **{"model.num_layers": 6}))
+def test_zoo_run_refuses_a_pipeline_in_one_line_with_exit_code_2(tmp_path, forced_devices):
+  proc = forced_devices.run(
+    zoo_args(tmp_path / "x", 1, {"pipeline": 8, "data": 1}, **{"model.num_layers": 6})
+  )
   assert proc.returncode == 2
   assert "model.num_layers=6" in proc.stderr and "Traceback" not in proc.stderr
   assert len(proc.stderr.strip().splitlines()) == 1

@@ -2,28 +2,15 @@
 qlora_worker.py) against one device: the loss and the adapters' gradients equal to float
 tolerance; a base whose blocks of scales a mesh axis cannot split is refused in one line."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multidevice, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def results():
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  worker = ROOT / "tests" / "parallel" / "qlora_worker.py"
-  proc = subprocess.run(
-    [sys.executable, "-P", str(worker)], cwd=ROOT, env=env, capture_output=True, text=True
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+def results(forced_devices):
+  return forced_devices.worker("qlora_worker.py")
 
 
 def test_mesh_equals_one_device(results):

@@ -2,16 +2,9 @@
 subprocess) against one device: equal to float tolerance without quantization, within
 quantization noise with it (each device scales its own shard: tests/parallel/quant_worker.py)."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multidevice, pytest.mark.slow]
 # Largest gradient error relative to each leaf's largest value, mesh against one device (the
 # same measures, one device against float: int8 2.4%, fp8 13%; a mesh against one device
@@ -20,14 +13,8 @@ GRADS = {"none": 1e-5, "int8": 0.04, "fp8": 0.2}
 
 
 @pytest.fixture(scope="module")
-def results():
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  worker = ROOT / "tests" / "parallel" / "quant_worker.py"
-  proc = subprocess.run(
-    [sys.executable, "-P", str(worker)], cwd=ROOT, env=env, capture_output=True, text=True
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+def results(forced_devices):
+  return forced_devices.worker("quant_worker.py")
 
 
 def errors(got: dict, want: dict) -> dict[str, float]:
