@@ -21,8 +21,8 @@ import os
 import jax
 import numpy as np
 
-from nnx_zoo.common import attention_impl, device_memory, mesh, parallel, tasks
 from nnx_zoo.common import config as config_lib
+from nnx_zoo.common import device_memory, mesh, parallel, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint
 from nnx_zoo.common.nn import attention_blocked
@@ -80,10 +80,10 @@ def _loss_chunk(cfg) -> Lever | None:
 
 def _blocked_attention(cfg) -> Lever | None:
   # Blocked attention (query blocks, online softmax, recomputed in the backward pass) keeps no
-  # [B, H, T, T] probabilities; a candidate only where this zoo has it.
-  # A row of at most one block runs the dense path anyway (attention_blocked.BLOCK).
+  # [B, H, T, T] probabilities. A row of at most one block runs the dense path anyway
+  # (attention_blocked.BLOCK).
   att = cfg.model.get("attention")
-  if "blocked" not in attention_impl.IMPLS or att is None or att.get("impl") not in ("auto", "xla"):
+  if att is None or att.get("impl") not in ("auto", "xla"):
     return None
   if cfg.data.get("seq_len", 0) <= attention_blocked.BLOCK:
     return None

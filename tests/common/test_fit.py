@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from nnx_zoo.common import attention_impl, cli, device_memory, experiments, programs
+from nnx_zoo.common import cli, device_memory, experiments, programs
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import attention_blocked
 from nnx_zoo.common.train import fit, optim, trainer
@@ -117,9 +117,7 @@ def test_unknown_fit_mode():
     fit.fitted_step(cfg, tx=optim.optimizer(cfg.optim, 4), layout=None)
 
 
-def test_candidates_accumulate_in_their_order(monkeypatch):
-  without = tuple(x for x in attention_impl.IMPLS if x != "blocked")
-  monkeypatch.setattr(attention_impl, "IMPLS", without)
+def test_candidates_accumulate_in_their_order():
   cfg = experiments.get_config(SMOKE, {"train.batch_size": "8"})
   got = fit.candidates(cfg, {"data": 1})
   # The smoke model's blocks are not scanned: each remat candidate scans them too.
@@ -127,10 +125,8 @@ def test_candidates_accumulate_in_their_order(monkeypatch):
   assert got[:2] == [{"model.remat": "save_dots", **scan}, {"model.remat": "full", **scan}]
   assert [c["train.micro_batches"] for c in got[2:]] == [2, 4, 8]
   assert all(c["model.remat"] == "full" for c in got[2:])
-  # A large vocabulary adds the chunked loss; blocked attention comes after it where the zoo
-  # has it (attention_impl.IMPLS) and a row is longer than one of its blocks, before the
-  # micro-batches.
-  monkeypatch.setattr(attention_impl, "IMPLS", (*without, "blocked"))
+  # A large vocabulary adds the chunked loss; blocked attention comes after it where a row is
+  # longer than one of its blocks, before the micro-batches.
   cfg.model.vocab_size = 32768
   short = fit.candidates(cfg, {"data": 1})
   assert all("model.attention.impl" not in c for c in short)
@@ -159,7 +155,6 @@ def test_remat_candidates_scan_the_blocks_and_lower_the_step():
               if "model.scan" in c.overrides or "model.remat" in c.overrides]  # fmt: skip
 
 
-@pytest.mark.skipif("blocked" not in attention_impl.IMPLS, reason="blocked attention not merged")
 def test_blocked_attention_candidate_compiles_and_lowers_the_step():
   cfg = smoke({"data.seq_len": "1024", "train.batch_size": "1"})
   blocked = fit.with_overrides(cfg, {"model.attention.impl": "blocked"})

@@ -2,7 +2,6 @@
 fabricated windows of step times, and two `zoo run` processes, one slowed (needs the fault
 injection hook, common/train/inject.py)."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -86,38 +85,18 @@ def test_one_process_checks_nothing():
 
 # Two processes on 127.0.0.1 (as tests/parallel/test_parallel.py runs them)
 
-INJECT = importlib.util.find_spec("nnx_zoo.common.train.inject") is not None
-
-
-# Without the hook: the same `zoo run`, process 1 sleeping 0.3 s before each step.
-SLOWED = """
-import sys, time
-from nnx_zoo.common.train import events
-start = events.Events.step_start
-def step_start(self):
-  if self.process == 1:
-    time.sleep(0.3)
-  start(self)
-events.Events.step_start = step_start
-from nnx_zoo.common import cli
-sys.exit(cli.main(sys.argv[1:]))
-"""
-
 
 def two_processes(workdir, steps: int, *, slow: bool = False, extra=()) -> list[str]:
   """`zoo run` of the smoke experiment as two processes of 4 fake devices each, one (2, 2, 2)
-  mesh, process 1 slowed by 0.3 s a step if `slow` (by NNX_ZOO_INJECT where the hook exists);
-  their stderr, once both have ended with 0."""
+  mesh, process 1 slowed by 0.3 s a step if `slow` (NNX_ZOO_INJECT); their stderr, once both
+  have ended with 0."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-  zoo = ["-m", "nnx_zoo.common.cli"]
-  if slow and INJECT:
+  if slow:
     env["NNX_ZOO_INJECT"] = "slow@*:p1:0.3"
-  elif slow:
-    zoo = ["-c", SLOWED]
-  args = [sys.executable, "-P", *zoo, "run", "lm/shakespeare-char:smoke"]
+  args = [sys.executable, "-P", "-m", "nnx_zoo.common.cli", "run", "lm/shakespeare-char:smoke"]
   args += ["--workdir", str(workdir), "--quiet", f"--config.train.steps={steps}"]
   args += ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
   args += ["--config.train.batch_size=8", "--config.train.eval_every=0", *extra]
