@@ -11,7 +11,11 @@ on a CPU the suite runs as it always has. Tests marked `cpu_only` check what a C
 and are skipped, saying why, on any other."""
 
 import importlib.util
+import json
 import os
+import pathlib
+import socket
+import subprocess
 import sys
 import tempfile
 
@@ -79,3 +83,59 @@ def scanned_copy():
     return out
 
   return copy
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+class Devices:
+  """Subprocesses that see N fake CPU devices. XLA reads `--xla_force_host_platform_device_count`
+  once, when its CPU backend starts, so a test process that already runs JAX on one device
+  cannot grow to eight: a multi-device or multi-host case runs a script (a worker beside the
+  tests, or `-m nnx_zoo.common.cli`) in a fresh interpreter under `python -P` from the repository
+  root. `run` runs one; `succeed` checks that it exited 0 (its stderr's tail is the failure
+  message); `results` reads the last JSON line of what succeeded (the workers print their
+  results so); `hosts` starts one command as several processes that meet through
+  jax.distributed on 127.0.0.1, and `finish` waits for them."""
+
+  def run(self, args: list[str], devices: int = 8, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    argv = [sys.executable, "-P", *map(str, args)]
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, **kw)
+
+  def succeed(self, args: list[str], devices: int = 8) -> subprocess.CompletedProcess:
+    proc = self.run(args, devices)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+  def results(self, args: list[str], devices: int = 8) -> dict:
+    return json.loads(self.succeed(args, devices).stdout.strip().splitlines()[-1])
+
+  def worker(self, name: str, *args: str, devices: int = 8) -> dict:
+    """The results of tests/parallel/NAME with ARGS."""
+    return self.results([ROOT / "tests" / "parallel" / name, *args], devices)
+
+  def hosts(self, args: list[str], processes=2, devices=4, env=None) -> list[subprocess.Popen]:
+    """`args` as `processes` processes of `devices` fake devices each, on a free port."""
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      port = s.getsockname()[1]
+    args = [*map(str, args), "--coordinator", f"127.0.0.1:{port}"]
+    env = {**os.environ, **(env or {})}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-P", *args, "--num-processes", str(processes), "--process-id"]
+    return [subprocess.Popen([*argv, str(i)], cwd=ROOT, env=env, **pipes) for i in range(processes)]
+
+  @staticmethod
+  def finish(procs: list[subprocess.Popen], code: int = 0, timeout=300) -> list[str]:
+    """Each process's stderr, once all have ended with exit code `code`."""
+    errs = [p.communicate(timeout=timeout)[1] for p in procs]
+    # Every process's end: the first to fail is often waiting on one that failed before it.
+    assert [p.returncode for p in procs] == [code] * len(procs), [err[-3000:] for err in errs]
+    return errs
+
+
+@pytest.fixture(scope="session")
+def forced_devices() -> Devices:
+  return Devices()

@@ -4,18 +4,12 @@ injection hook, common/train/inject.py)."""
 
 import json
 import os
-import pathlib
-import socket
-import subprocess
-import sys
 
 import ml_collections
 import numpy as np
 import pytest
 
 from nnx_zoo.common.train import settings, stragglers
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def by_numpy(late, i, floor) -> float:
@@ -83,38 +77,19 @@ def test_one_process_checks_nothing():
   assert stragglers.Monitor(cfg, events=None).check(10) == {}
 
 
-# Two processes on 127.0.0.1 (as tests/parallel/test_parallel.py runs them)
+# Two processes on 127.0.0.1 (tests/conftest.py's `forced_devices.hosts`)
 
 
-def two_processes(workdir, steps: int, *, slow: bool = False, extra=()) -> list[str]:
+def two_processes(forced, workdir, steps: int, *, slow: bool = False, extra=()) -> list[str]:
   """`zoo run` of the smoke experiment as two processes of 4 fake devices each, one (2, 2, 2)
   mesh, process 1 slowed by 0.3 s a step if `slow` (NNX_ZOO_INJECT); their stderr, once both
   have ended with 0."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-  if slow:
-    env["NNX_ZOO_INJECT"] = "slow@*:p1:0.3"
-  args = [sys.executable, "-P", "-m", "nnx_zoo.common.cli", "run", "lm/shakespeare-char:smoke"]
+  env = {"NNX_ZOO_INJECT": "slow@*:p1:0.3"} if slow else {}
+  args = ["-m", "nnx_zoo.common.cli", "run", "lm/shakespeare-char:smoke"]
   args += ["--workdir", str(workdir), "--quiet", f"--config.train.steps={steps}"]
   args += ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
   args += ["--config.train.batch_size=8", "--config.train.eval_every=0", *extra]
-  args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-  procs = [
-    subprocess.Popen(
-      [*args, "--process-id", str(i)],
-      cwd=ROOT,
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  errs = [p.communicate(timeout=300)[1] for p in procs]
-  assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for err in errs]
-  return errs
+  return forced.finish(forced.hosts(args, env=env))
 
 
 def straggler_lines(err: str) -> list[str]:
@@ -122,12 +97,13 @@ def straggler_lines(err: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_even_processes_name_nobody_and_save_temporary_steps_together(tmp_path):
+def test_two_even_processes_name_nobody_and_save_temporary_steps_together(tmp_path, forced_devices):
   """No process slowed: the checks run (an all-gather every logged step) and name nobody; and
   train.checkpoint_minutes' temporary saves, decided on process 0's clock, are taken by both
   processes at the same steps."""
   workdir = tmp_path / "run"
   errs = two_processes(
+    forced_devices,
     workdir,
     12,
     extra=[
@@ -153,12 +129,13 @@ def test_two_even_processes_name_nobody_and_save_temporary_steps_together(tmp_pa
 
 
 @pytest.mark.slow
-def test_the_slowed_process_and_only_it_is_named(tmp_path):
-  """Process 1 slowed by 0.3 s a step (NNX_ZOO_INJECT=slow@*:p1:0.3, common/train/inject.py;
-  before that hook exists, a patched step start): process 0 names it, and nobody else, in one
-  warning line, and metrics.jsonl carries `stragglers: [1]` from then on."""
+def test_the_slowed_process_and_only_it_is_named(tmp_path, forced_devices):
+  """Process 1 slowed by 0.3 s a step (NNX_ZOO_INJECT=slow@*:p1:0.3, common/train/inject.py):
+  process 0 names it, and nobody else, in one warning line, and metrics.jsonl carries
+  `stragglers: [1]` from then on."""
   workdir = tmp_path / "run"
   errs = two_processes(
+    forced_devices,
     workdir,
     12,
     slow=True,

@@ -1,19 +1,15 @@
 """Sharded training equals single-device training (8 fake CPU devices, in a subprocess)."""
 
 import json
-import os
-import pathlib
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multidevice, pytest.mark.slow]
 MESHES = ["(2, 2, 2)", "(8, 1, 1)", "(1, 8, 1)", "(1, 4, 2)", "(1, 1, 2)"]
 
@@ -147,43 +143,25 @@ def test_checkpoint_saved_on_one_mesh_resumes_on_another(tmp_path, straight, for
       assert got[step] == pytest.approx(straight[step], rel=1e-5), (name, step)
 
 
-def free_port() -> int:
-  import socket
-
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def two_processes(workdir, steps: int, mesh=(2, 2, 2), extra=()) -> list[subprocess.Popen]:
+@pytest.fixture
+def two_processes(forced_devices):
   """`zoo run` as two processes on 127.0.0.1 with 4 fake devices each: one (data, fsdp, tensor)
   mesh, (2, 2, 2) unless given (`extra`: more arguments)."""
-  port = free_port()
-  args = zoo_args(workdir, mesh, steps) + list(extra)
-  args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-  return [
-    subprocess.Popen(
-      [sys.executable, "-P", *args, "--process-id", str(i)],
-      cwd=ROOT,
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
-    for i in range(2)
-  ]
+
+  def start(workdir, steps: int, mesh=(2, 2, 2), extra=()) -> list[subprocess.Popen]:
+    return forced_devices.hosts(zoo_args(workdir, mesh, steps) + list(extra))
+
+  return start
 
 
-def finish(procs, code: int = 0) -> list[str]:
-  """Each process's stderr, once all have ended with exit code `code`."""
-  errs = [p.communicate(timeout=300)[1] for p in procs]
-  # Every process's end: the first to fail is often waiting on one that failed before it.
-  assert [p.returncode for p in procs] == [code] * len(procs), [err[-3000:] for err in errs]
-  return errs
+@pytest.fixture
+def finish(forced_devices):
+  return forced_devices.finish
 
 
-def test_two_processes_match_one_process_with_the_same_global_mesh(tmp_path, straight):
+def test_two_processes_match_one_process_with_the_same_global_mesh(
+  tmp_path, straight, two_processes, finish
+):
   """Two processes on 127.0.0.1 with 4 fake devices each form one (2, 2, 2) mesh; each feeds its
   half of every batch from its own iterator. Losses equal one process with 8 devices."""
   two = tmp_path / "two"
@@ -198,7 +176,9 @@ def test_two_processes_match_one_process_with_the_same_global_mesh(tmp_path, str
     assert loss == pytest.approx(straight[step], rel=1e-6), step
 
 
-def test_two_processes_that_split_each_row_over_context_match_one_process(tmp_path, straight):
+def test_two_processes_that_split_each_row_over_context_match_one_process(
+  tmp_path, straight, two_processes, finish
+):
   """mesh.context=8 over two processes of 4 devices: both read the same rows of every batch
   (`parallel.process_rows`), and each feeds its devices their share of every row's tokens
   (`step.put_batch`). Losses equal the one-process (2, 2, 2) run's."""
@@ -210,7 +190,7 @@ def test_two_processes_that_split_each_row_over_context_match_one_process(tmp_pa
 
 
 def test_a_run_saved_by_two_processes_resumes_on_one_and_the_reverse(
-  tmp_path, straight, forced_devices
+  tmp_path, straight, forced_devices, two_processes, finish
 ):
   """On a prepared copy of the smoke run's plays: two processes, each reading only its rows,
   save step 4 and one process resumes it to step 6; one process's step 4 resumes on two. Every
@@ -233,7 +213,9 @@ def test_a_run_saved_by_two_processes_resumes_on_one_and_the_reverse(
       assert loss == pytest.approx(straight[step], rel=1e-5), (first, step)
 
 
-def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path, straight):
+def test_sigterm_to_one_process_stops_both_at_the_same_step(
+  tmp_path, straight, two_processes, finish
+):
   """A preemption notice may reach one host only: SIGTERM to process 1 alone. Both processes
   stop after the same step, save it together and exit 143; rerun, they continue with the
   losses of an uninterrupted run."""
