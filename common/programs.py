@@ -70,16 +70,17 @@ def key(name: str, static, args) -> str:
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def load(name: str, fn, args: tuple, *, static):
+def load(name: str, fn, args: tuple, *, static, donate: tuple[int, ...] = ()):
   """`fn` ready to run on arguments shaped as `args` (arrays or `jax.ShapeDtypeStruct`s: a
   program can be readied before its arguments exist, e.g. while the weights are restored):
   traced at most once across processes (see the module's docstring) and compiled, or read from
   the persistent cache. `fn` is jax-traceable (it calls jitted functions); `static` is what it
   closes over that shapes its trace (its repr goes into the key). Without a persistent cache,
   `jax.jit(fn)` compiled in this process. Its memory is checked first (`check`); on several
-  devices `fn` as it is, unchecked."""
+  devices `fn` as it is, unchecked. `donate`: the arguments whose buffers the program may reuse
+  for its outputs (the engine's KV cache, updated in place)."""
   if len(jax.devices()) != 1:
-    return fn  # what jit keeps in this process is enough
+    return jax.jit(fn, donate_argnums=donate) if donate else fn  # jit's own cache is enough
   folder = directory()
   if folder is None:
     # No persistent cache: compiled here, in this process only, so that its memory is checked
@@ -87,7 +88,8 @@ def load(name: str, fn, args: tuple, *, static):
     where = f"{name}-{key(name, static, args)}"
     if where not in _loaded:
       shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-      _loaded[where] = check(name, jax.jit(fn).lower(*shapes).compile(), args)
+      compiled = jax.jit(fn, donate_argnums=donate).lower(*shapes).compile()
+      _loaded[where] = check(name, compiled, args)
     return _loaded[where]
   path = os.path.join(folder, f"{name}-{key(name, static, args)}.bin")
   if path in _loaded:
@@ -105,7 +107,8 @@ def load(name: str, fn, args: tuple, *, static):
     with files.replacing(path) as tmp, open(tmp, "wb") as f:
       f.write(exported.serialize())
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-  _loaded[path] = check(name, jax.jit(exported.call).lower(*shapes).compile(), args)
+  compiled = jax.jit(exported.call, donate_argnums=donate).lower(*shapes).compile()
+  _loaded[path] = check(name, compiled, args)
   return _loaded[path]
 
 

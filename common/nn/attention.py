@@ -80,22 +80,25 @@ def config(
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  """Keys and values of the tokens decoded so far; `index` of them are filled."""
+  """Keys and values of the tokens decoded so far, row by row: row b holds `index[b]` tokens, at
+  positions 0 to index[b] - 1, so the rows of a batch advance independently (the engine's slots,
+  common/engine.py). A call writes its T new tokens of row b at [index[b], index[b] + T)."""
 
   k_BSKH: jax.Array
   v_BSKH: jax.Array
-  index: jax.Array  # int32 scalar
+  index: jax.Array  # int32 [B]
 
   @classmethod
   def init(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32):
     shape = (batch, max_len, num_kv_heads, head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
   def rewound(self, index: jax.Array) -> "KVCache":
-    """The cache with its first `index` slots counted as filled: what lies after them is never
-    attended to, and the next tokens overwrite it (a prompt padded to a bucket length, its
-    padding dropped after the prefill)."""
-    return dataclasses.replace(self, index=jnp.asarray(index, jnp.int32))
+    """The cache with the first `index` (a scalar for every row, or [B]) of each row counted as
+    filled: what lies after them is never attended to, and the next tokens overwrite it (a
+    prompt padded to a bucket length, its padding dropped after the prefill)."""
+    index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), self.index.shape)
+    return dataclasses.replace(self, index=index)
 
 
 @jax.tree_util.register_dataclass
@@ -228,14 +231,18 @@ class Attention(nnx.Module):
     q_idx_T = k_idx_S = jnp.arange(T)
     k_seg_BS, k_pos_BS = segment_ids_BT, positions_BT
     if cache is not None:
-      # Write the new keys at [index, index + T); slots not written yet get segment 0, which
-      # no query has, so they are never attended to.
-      start = (0, cache.index, 0, 0)
-      k_BSKH = jax.lax.dynamic_update_slice(cache.k_BSKH, k_BTKH.astype(cache.k_BSKH.dtype), start)
-      v_BSKH = jax.lax.dynamic_update_slice(cache.v_BSKH, v_BTKH.astype(cache.v_BSKH.dtype), start)
+      # Row b's new keys go to [index[b], index[b] + T) (past the cache's end: dropped); slots
+      # not written yet get segment 0, which no query has, so they are never attended to.
+      idx_BT = cache.index[:, None] + jnp.arange(T)
+      rows_B1 = jnp.arange(B)[:, None]
+
+      def write(c_BSKH, new_BTKH):
+        return c_BSKH.at[rows_B1, idx_BT].set(new_BTKH.astype(c_BSKH.dtype), mode="drop")
+
+      k_BSKH, v_BSKH = write(cache.k_BSKH, k_BTKH), write(cache.v_BSKH, v_BTKH)
       S = k_BSKH.shape[1]
-      kind, q_idx_T, k_idx_S = "cache", cache.index + jnp.arange(T), jnp.arange(S)
-      k_seg_BS = jnp.where((k_idx_S < cache.index + T)[None], segment_ids_BT[:, :1], 0)
+      kind, q_idx_T, k_idx_S = "cache", idx_BT, jnp.arange(S)
+      k_seg_BS = jnp.where(k_idx_S < (cache.index + T)[:, None], segment_ids_BT[:, :1], 0)
       k_pos_BS = jnp.broadcast_to(k_idx_S, (B, S))
       cache = KVCache(k_BSKH, v_BSKH, cache.index + T)
     elif parallel.context_split():

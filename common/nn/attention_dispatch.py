@@ -32,7 +32,7 @@ class Keys:
   kind: str
   k_BSKH: jax.Array
   v_BSKH: jax.Array
-  q_idx_T: jax.Array  # the queries' and the keys' indices in their row
+  q_idx_T: jax.Array  # the queries' and the keys' indices in their row (a cache's: [B, T])
   k_idx_S: jax.Array
   q_seg_BT: jax.Array
   k_seg_BS: jax.Array

@@ -21,14 +21,15 @@ def make_mask(
   causal: bool,
   window: int | None = None,
 ) -> jax.Array:
-  """[B, T, S] booleans: True where query t may attend to key s (`window` None: any key)."""
+  """[B, T, S] booleans: True where query t may attend to key s (`window` None: any key). The
+  queries' indices are [T], or [B, T] where each row has its own (a KV cache's rows)."""
   mask = q_seg_BT[:, :, None] == k_seg_BS[:, None, :]
-  distance_TS = q_idx_T[:, None] - k_idx_S[None, :]
+  distance_TS = q_idx_T[..., :, None] - k_idx_S  # [T, S], or [B, T, S]
   if causal:
-    mask &= (distance_TS >= 0)[None]
+    mask &= distance_TS >= 0
   if window:
     # A window of W: the query and the W - 1 keys before it (and after it, if bidirectional).
-    mask &= (jnp.abs(distance_TS) < window)[None]
+    mask &= jnp.abs(distance_TS) < window
   return mask
 
 

@@ -393,5 +393,6 @@ def default_positions(tokens_BT: jax.Array, segment_ids_BT=None, cache=None) -> 
   B, T = tokens_BT.shape
   if segment_ids_BT is not None:
     return positions_from_segments(segment_ids_BT)
-  offset = 0 if cache is None else cache[0].index
-  return jnp.broadcast_to(offset + jnp.arange(T), (B, T))
+  if cache is None:
+    return jnp.broadcast_to(jnp.arange(T), (B, T))
+  return cache[0].index[:, None] + jnp.arange(T)  # each row after its own cached tokens
