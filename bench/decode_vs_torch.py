@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_zoo.common import hub, sampling
+from nnx_zoo.common import engine, hub
 from nnx_zoo.experiments.bench.llama_19m import HF_CONFIG
 
 
@@ -62,7 +62,7 @@ def main():
     prompt_t = torch.from_numpy(prompt.astype(np.int64))
 
     def zoo(prompt=prompt):
-      out = sampling.generate(
+      out = engine.generate(
         zoo_model, prompt, max_new_tokens=args.new, rng=jax.random.key(0), temperature=0
       )
       return np.asarray(jax.block_until_ready(out))

@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 
-from nnx_zoo.common import experiments, sampling  # noqa: E402
+from nnx_zoo.common import engine, experiments  # noqa: E402
 from nnx_zoo.common.tasks import grpo  # noqa: E402
 from nnx_zoo.common.train import trainer  # noqa: E402
 
@@ -45,16 +45,16 @@ def run(seq_len: int, steps: int, *, full_width: bool = False) -> dict:
     return out
 
   grpo.GRPO.complete = recording
-  bucket = sampling.PROMPT_BUCKET
+  bucket = engine.PROMPT_BUCKET
   if full_width:
-    sampling.PROMPT_BUCKET = 1 << 20  # the bucket capped at seq_len: the rows of before
+    engine.PROMPT_BUCKET = 1 << 20  # the bucket capped at seq_len: the rows of before
   try:
     with tempfile.TemporaryDirectory() as workdir:
       trainer.train(cfg, workdir, progress=False)
       with open(os.path.join(workdir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f if '"split"' not in line]
   finally:
-    grpo.GRPO.complete, sampling.PROMPT_BUCKET = complete, bucket
+    grpo.GRPO.complete, engine.PROMPT_BUCKET = complete, bucket
   old = cfg.train.batch_size * cfg.grpo.group_size  # rows a step
   times = [x["sample_s"] + x["reward_s"] + x["train_s"] for x in lines]
   return {

@@ -134,7 +134,7 @@ def bucket(n: int, *, minimum: int = 16) -> int:
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
-  return max(minimum, 1 << max(n - 1, 0).bit_length())
+  return max(minimum, 1 << max(int(n) - 1, 0).bit_length())
 
 
 # --- what runs on the device ---
@@ -210,7 +210,7 @@ class _Variant:
   top_n: int  # 0 or MAX_TOP_LOGPROBS
 
 
-def _prefill_fn(graphdef, treedef, variant: _Variant, prompt_lp: bool):
+def _prefill_fn(graphdef, treedef, cache_def, variant: _Variant, prompt_lp: bool):
   """The program reading a chunk of prompt tokens for some slots: rows_k (padding rows: an
   index past the slots, dropped), their chunks tokens_kC (row k's first n_k are real) written
   after start_k cached tokens. A row whose prompt this chunk completes (last_k) draws its first
@@ -219,6 +219,7 @@ def _prefill_fn(graphdef, treedef, variant: _Variant, prompt_lp: bool):
   def run(leaves, cache, rows_k, tokens_kC, start_k, n_k, last_k, keys_k, temp_k, topk_k, topp_k,
           targets_kC):  # fmt: skip
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    cache = jax.tree.unflatten(cache_def, cache)
     take = lambda x: jnp.take(x, rows_k, axis=0, mode="clip")
     sub = [c.rewound(start_k) for c in jax.tree.map(take, cache)]
     logits_kCV, sub = model(tokens_kC, cache=sub)
@@ -229,7 +230,7 @@ def _prefill_fn(graphdef, treedef, variant: _Variant, prompt_lp: bool):
     keys = _keys_at(keys_k, start_k + n_k)
     token_k = sample_rows(last_kV, keys, temp_k, topk_k, topp_k, truncate=variant.truncate)
     token_k = jnp.where(last_k, token_k, 0)
-    out = (cache, token_k, *_logprobs(last_kV, token_k, variant.top_n))
+    out = (jax.tree.leaves(cache), token_k, *_logprobs(last_kV, token_k, variant.top_n))
     if prompt_lp:
       out += _logprobs(logits_kCV, targets_kC, variant.top_n)
     return out
@@ -237,13 +238,14 @@ def _prefill_fn(graphdef, treedef, variant: _Variant, prompt_lp: bool):
   return run
 
 
-def _decode_fn(graphdef, treedef, variant: _Variant, steps: int):
+def _decode_fn(graphdef, treedef, cache_def, variant: _Variant, steps: int):
   """The program of `steps` decode steps for every slot: a running slot (active_S) feeds its
   token at its position, draws the next, and stops at one of its stop ids or its limit; other
   slots compute but keep their cache as it was."""
 
   def run(leaves, cache, token_S, active_S, keys_S, temp_S, topk_S, topp_S, limit_S, stops_SK):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    cache = jax.tree.unflatten(cache_def, cache)
 
     def step(carry, _):
       cache, token_S, active_S = carry
@@ -259,7 +261,8 @@ def _decode_fn(graphdef, treedef, variant: _Variant, steps: int):
       return (cache, next_S, active_S & ~done_S), (next_S, *lps)
 
     (cache, _, _), outs = jax.lax.scan(step, (cache, token_S, active_S), length=steps)
-    return (cache, *(None if o is None else jnp.moveaxis(o, 0, 1) for o in outs))
+    outs = (None if o is None else jnp.moveaxis(o, 0, 1) for o in outs)
+    return (jax.tree.leaves(cache), *outs)
 
   return run
 
@@ -315,6 +318,8 @@ class Engine:
     self.prefill_chunk, self.decode_steps = max(1, prefill_chunk), max(1, decode_steps)
     self._model = nnx.merge(graphdef, params)  # only its shapes are read: nothing computed
     self._token_bytes = self._bytes_per_token()
+    # The programs take and give the cache as its leaves (jax.export keeps no custom trees).
+    self._cache_def = jax.tree.structure(jax.eval_shape(lambda: self._model.init_cache(1, 1)))
     if check_memory:
       self._check_memory()
     self._cache = None
@@ -453,9 +458,9 @@ class Engine:
     """The compiled program `make()` builds for these arguments' shapes (kept for the process:
     engines of one model share them; through `programs.load` on one device)."""
     shapes = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args[1:]))
-    key = (name, static, self.graphdef, self._treedef, shapes)
+    key = (name, static, self.graphdef, self._treedef, self._cache_def, shapes)
     if key not in _PROGRAMS:
-      static_all = (static, self.graphdef, self._treedef)
+      static_all = (static, self.graphdef, self._treedef, self._cache_def)
       _PROGRAMS[key] = programs.load(f"engine-{name}", make(), args, static=static_all,
                                      donate=(1,))  # fmt: skip
     return _PROGRAMS[key]
@@ -468,34 +473,38 @@ class Engine:
       return
     if self._cache is None:
       out = _replicated(self._leaves)
-      init = lambda: self._model.init_cache(self.slots, length)
+      init = lambda: jax.tree.leaves(self._model.init_cache(self.slots, length))
       self._cache = jax.jit(init, out_shardings=out)() if out else jax.jit(init)()
     else:
-      self._cache = jax.jit(_grow_fn(length), donate_argnums=0)(self._cache)
+      self._cache = jax.jit(_grow_fn(length))(self._cache)
     self._cache_len = length
 
-  def prepare(self, prompt_len: int, max_tokens: int, *, truncate: bool = False):
-    """Compile (or load) the programs one request of `prompt_len` tokens and `max_tokens` new
-    ones runs, before it comes: the weights may still be abstract (being restored)."""
+  def prepare(self, prompt_len: int, max_tokens: int, *, rows: int = 1, truncate: bool = False):
+    """Compile (or load) the programs `rows` requests of `prompt_len` tokens and `max_tokens`
+    new ones admitted at once run, before they come: the weights may still be abstract (being
+    restored)."""
     C = min(bucket(prompt_len), self.prefill_chunk)
     variant = _Variant(truncate, 0)
+    k = _pow2(min(rows, self.slots))
     S, lengths = self.slots, set()
     for n in (C, prompt_len + 1, prompt_len + max_tokens):
       lengths.add(min(_pow2(n, MIN_CACHE), self.max_len))
     for length in sorted(lengths):
-      cache = jax.eval_shape(lambda length=length: self._model.init_cache(S, length))
+      cache = jax.eval_shape(lambda n=length: jax.tree.leaves(self._model.init_cache(S, n)))
       i32, f32, u32 = np.int32, np.float32, np.uint32
       sd = jax.ShapeDtypeStruct
       key = sd(jax.random.key_data(jax.random.key(0)).shape, u32)
-      args = (self._leaves, cache, sd((1,), i32), sd((1, C), i32), sd((1,), i32), sd((1,), i32),
-              sd((1,), bool), sd((1, *key.shape), u32), sd((1,), f32), sd((1,), i32),
-              sd((1,), f32), sd((1, C), i32))  # fmt: skip
-      make = lambda: _prefill_fn(self.graphdef, self._treedef, variant, False)
+      args = (self._leaves, cache, sd((k,), i32), sd((k, C), i32), sd((k,), i32), sd((k,), i32),
+              sd((k,), bool), sd((k, *key.shape), u32), sd((k,), f32), sd((k,), i32),
+              sd((k,), f32), sd((k, C), i32))  # fmt: skip
+      make = lambda: _prefill_fn(self.graphdef, self._treedef, self._cache_def, variant, False)
       self._program("prefill", make, args, (variant, False))
       args = (self._leaves, cache, sd((S,), i32), sd((S,), bool), sd((S, *key.shape), u32),
               sd((S,), f32), sd((S,), i32), sd((S,), f32), sd((S,), i32),
               sd((S, MAX_STOP_IDS), i32))  # fmt: skip
-      make = lambda: _decode_fn(self.graphdef, self._treedef, variant, self.decode_steps)
+      make = lambda: _decode_fn(
+        self.graphdef, self._treedef, self._cache_def, variant, self.decode_steps
+      )
       self._program("decode", make, args, (variant, self.decode_steps))
 
   def _variant(self, reqs) -> _Variant:
@@ -540,7 +549,7 @@ class Engine:
     prompt_lp = any(r.params.prompt_logprobs for r in reqs)
     args = (self._leaves, self._cache, rows, tokens, start, n, last, keys, temp, top_k, top_p,
             targets)  # fmt: skip
-    make = lambda: _prefill_fn(self.graphdef, self._treedef, variant, prompt_lp)
+    make = lambda: _prefill_fn(self.graphdef, self._treedef, self._cache_def, variant, prompt_lp)
     out = self._program("prefill", make, args, (variant, prompt_lp))(*args)
     self._cache = out[0]
     host = jax.device_get(out[1:])
@@ -561,7 +570,7 @@ class Engine:
             r.prompt_tops.append([(int(a), float(b)) for a, b in pairs])
           else:
             r.prompt_tops.append(None)
-      r.filled += n[i]
+      r.filled += int(n[i])
       self._held[r.slot] += chunk
       if last[i]:
         tops = None if topi_k is None else (topi_k[i], topl_k[i])
@@ -594,7 +603,7 @@ class Engine:
     variant = self._variant(reqs)
     args = (self._leaves, self._cache, self._last.copy(), active, keys, temp, top_k, top_p, limit,
             stops)  # fmt: skip
-    make = lambda: _decode_fn(self.graphdef, self._treedef, variant, steps)
+    make = lambda: _decode_fn(self.graphdef, self._treedef, self._cache_def, variant, steps)
     out = self._program("decode", make, args, (variant, steps))(*args)
     self._cache = out[0]
     token_SN, lp_SN, topi, topl = jax.device_get(out[1:])
@@ -712,10 +721,7 @@ def continue_rows(
   out[:, :P] = np.where(np.arange(P) < lengths_B[:, None], prompt_BP, fill)
   if max_new_tokens < 1:
     return out[:, : P + max_new_tokens]
-  engine = Engine(
-    (graphdef, params), slots=B, max_len=P + max_new_tokens, prefill_chunk=1024,
-    check_memory=False,
-  )  # fmt: skip
+  engine = _static_engine(graphdef, params, B, P, max_new_tokens)
   options = SamplingParams(
     max_new_tokens, float(temperature), int(top_k), float(top_p), stop_ids=stops
   )
@@ -727,6 +733,38 @@ def continue_rows(
     b = rids[rid]
     out[b, lengths_B[b] : lengths_B[b] + len(tokens)] = tokens
   return out
+
+
+def _static_engine(graphdef, params, batch: int, prompt_len: int, max_new_tokens: int) -> Engine:
+  """The engine a static batch runs on: a slot a row, the cache a power of two long (batches of
+  nearby lengths share programs), each prompt read in one chunk."""
+  length = _pow2(prompt_len + max_new_tokens, MIN_CACHE)
+  return Engine(
+    (graphdef, params), slots=batch, max_len=length, prefill_chunk=1024, check_memory=False
+  )
+
+
+def prepare(
+  model_or_split,
+  batch: int,
+  prompt_len: int,
+  *,
+  max_new_tokens: int,
+  rng=None,
+  temperature: float = 1.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  stop_ids: tuple[int, ...] = (),
+):
+  """Ready `generate`'s programs for `batch` prompts of `prompt_len` tokens and these options:
+  loaded from the persistent compilation cache, or traced and compiled. The params may be
+  abstract (`jax.ShapeDtypeStruct`s): a caller readies the programs while they are restored."""
+  del rng, stop_ids  # neither shapes a program
+  if max_new_tokens >= 1:
+    graphdef, params = _split(model_or_split, seq2seq=False)
+    eng = _static_engine(graphdef, params, batch, prompt_len, max_new_tokens)
+    truncate = temperature > 0 and (top_k > 0 or top_p < 1)
+    eng.prepare(prompt_len, max_new_tokens, rows=batch, truncate=truncate)
 
 
 def generate(

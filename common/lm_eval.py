@@ -3,7 +3,6 @@
 compiles a handful of programs; it scores as lm-eval's `hf` backend does (same tokenization,
 windows, truncation and stop strings), to 1e-4 on the same weights."""
 
-import dataclasses
 import difflib
 import functools
 import json
@@ -14,12 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_zoo.common import sampling
+from nnx_zoo.common import engine
+from nnx_zoo.common.engine import bucket, bucket_below  # noqa: F401 (lm-eval's buckets)
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.sampling import bucket, bucket_below  # noqa: F401 (lm-eval's buckets)
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's, for a model whose config names no context length
-DECODE_STEPS = 16  # greedy steps per compiled call; stop strings are checked between calls
 
 
 def _import_lm_eval():
@@ -50,11 +48,6 @@ def _score(params, tokens_BT, targets_BT, mask_BT, *, graphdef):
   logp_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0] - logz_BT
   greedy_BT = jnp.argmax(logits_BTV, axis=-1) == targets_BT
   return jnp.sum(jnp.where(mask_BT, logp_BT, 0.0), axis=1), jnp.all(greedy_BT | ~mask_BT, axis=1)
-
-
-# Generation is sampling's one loop (`sampling.begin`, then `sampling.decode` DECODE_STEPS steps a
-# call); bench/lm_eval_vs_hf.py counts its programs by this name.
-_decode = sampling.decode
 
 
 # --- the lm-eval model ---
@@ -237,45 +230,33 @@ def _lm_class():
             f"({self.max_length})."
           )
         prompts = {i: self.tok_encode(requests[i].args[0])[-max_prompt:] for i in indices}
-        order = sorted(indices, key=lambda i: -len(prompts[i]))
-        for start in range(0, len(order), self._batch_size):
-          batch = order[start : start + self._batch_size]
-          texts = self._generate([prompts[i] for i in batch], max_new, until)
-          for i, text in zip(batch, texts, strict=True):
-            out[i] = text
-            self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        for i, text in zip(indices, self._generate([prompts[i] for i in indices], max_new, until),
+                           strict=True):  # fmt: skip
+          out[i] = text
+          self.cache_hook.add_partial("generate_until", requests[i].args, text)
       return out
 
     def _generate(self, prompts, max_new, until):
-      """Greedy continuations of token lists `prompts`, each decoded and cut at `until`: the
-      sampler's one loop, DECODE_STEPS steps a call, a row stopping at an end token on the
-      device and at a stop string here, between calls."""
-      B = batch_rows(len(prompts), self._batch_size)
-      shortest = min(len(p) for p in prompts)
-      lengths = [len(p) for p in prompts] + [shortest] * (B - len(prompts))  # empty rows
-      prompt_BP = np.zeros((B, bucket(max(lengths))), np.int32)
-      for b, prompt in enumerate(prompts):
-        prompt_BP[b, : len(prompt)] = prompt
-      keys = jax.random.split(jax.random.key(0), B)  # greedy: not read
-      state = sampling.begin(
-        self.params, prompt_BP, np.asarray(lengths, np.int32), keys, graphdef=self.graphdef,
-        prefill=max(bucket_below(shortest), 1), max_new_tokens=max_new,
-      )  # fmt: skip
-      greedy = dict(temperature=0.0, stop_ids=sampling.stop_tuple(self.eos_ids))
-      while True:
-        state = _decode(self.params, state, graphdef=self.graphdef, steps=DECODE_STEPS, **greedy)
-        host, done, t = np.asarray(state.tokens_BL), np.array(state.done_B), int(state.t)
-        for b, n in enumerate(lengths[: len(prompts)]):
-          done[b] |= self._stops(self._cut(host[b, n:t]), until)
-        done[len(prompts) :] = True
-        if done.all():
-          break
-        state = dataclasses.replace(state, done_B=jnp.asarray(done))
+      """Greedy continuations of token lists `prompts`, each decoded and cut at `until`: on the
+      engine (common/engine.py), batch_size slots, continuously batched; a request stops at an
+      end token on the device and at a stop string here, between steps."""
+      if not hasattr(self, "_engine"):
+        self._engine = engine.Engine(
+          (self.graphdef, self.params), slots=self._batch_size, max_len=self.max_length
+        )
+      greedy = engine.SamplingParams(max_new, temperature=0.0, stop_ids=tuple(self.eos_ids))
+      rids = {self._engine.submit(p, greedy, seed=0): i for i, p in enumerate(prompts)}
+      got = [[] for _ in prompts]
+      while self._engine.busy:
+        for o in self._engine.step():
+          got[rids[o.rid]] += o.tokens
+          if o.finish_reason is None and self._stops(self._cut(got[rids[o.rid]]), until):
+            self._engine.cancel(o.rid)
       return [
         lm_utils.postprocess_generated_text(
-          self.tok.decode(self._cut(host[b, n : n + max_new])), stop=until, think_end_token=None
+          self.tok.decode(self._cut(ids)), stop=until, think_end_token=None
         )
-        for b, n in enumerate(lengths[: len(prompts)])
+        for ids in got
       ]
 
     def _cut(self, ids) -> list[int]:

@@ -1,6 +1,6 @@
 """On-policy preference pairs: each prompt's rejected reply is the starting model's own
 (`data.rejected="init_from"`), sampled once from the init_from weights with the zoo's batched,
-compiled sampler (sampling's one loop, through `sampling.continue_rows`) and cached, so a rerun
+compiled sampler (sampling's one loop, through `engine.continue_rows`) and cached, so a rerun
 (or a resumed run) reads them instead of sampling again.
 
 The cache is keyed by everything the replies depend on: the checkpoint (its path, and the size
@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_zoo.common import files, sampling
+from nnx_zoo.common import engine, files
 from nnx_zoo.common.hub import weights
 
 BATCH = 16  # prompts sampled at once
-BUCKET = 32  # the smallest prompt bucket (sampling.bucket: 32, 48, 64, 96, ...): a few programs
+BUCKET = 32  # the smallest prompt bucket (engine.bucket: 32, 48, 64, 96, ...): a few programs
 
 
 def _checkpoint_identity(path: str) -> list:
@@ -70,17 +70,17 @@ def _sample(init_from: str, prompts, *, template, tokenizer, max_new: int) -> li
     rows = list(order[start : start + BATCH])
     rows += rows[-1:] * (BATCH - len(rows))  # a full batch: one program for every batch
     lengths = np.array([len(ids[r]) for r in rows], np.int32)
-    P = sampling.bucket(int(lengths.max()), minimum=BUCKET)
+    P = engine.bucket(int(lengths.max()), minimum=BUCKET)
     prompt_BP = np.zeros((BATCH, P), np.int32)
     for b, r in enumerate(rows):
       prompt_BP[b, : lengths[b]] = ids[r]
-    out = sampling.continue_rows(
+    out = engine.continue_rows(
       params,
       jnp.asarray(prompt_BP),
       jnp.asarray(lengths),
       jax.random.split(jax.random.key(0), BATCH),
       graphdef=graphdef,
-      prefill=max(sampling.bucket_below(int(lengths.min())), 1),  # a few programs, not one a length
+      prefill=max(engine.bucket_below(int(lengths.min())), 1),  # a few programs, not one a length
       max_new_tokens=max_new,
       temperature=0.0,
       stop_ids=(tokenizer.eos_id,),  # cut there below anyway: the loop ends once all have it

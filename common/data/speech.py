@@ -366,9 +366,9 @@ def eval_batches(source: Split, *, batch_size: int, max_batches: int = 0, share=
 
 def transcribe(model_or_split, features_BTC: np.ndarray, *, max_words: int) -> list[str]:
   """Greedy transcripts of log-mel features [B, T, mels] (the cached decoding)."""
-  from nnx_zoo.common import sampling
+  from nnx_zoo.common import engine
 
-  ids = sampling.generate_seq2seq(
+  ids = engine.generate_seq2seq(
     model_or_split,
     features_BTC,
     max_new_tokens=max_words + 1,

@@ -1,6 +1,6 @@
 """How a converted checkpoint generates: what transformers' `generate` reads from the
 generation_config.json that `zoo convert hf` copies (the decoder's forced prompt, the end token,
-the suppressed tokens), as arguments of `sampling.generate_seq2seq`.
+the suppressed tokens), as arguments of `engine.generate_seq2seq`.
 
 What is general lives here: `forced_decoder_ids`, `eos_token_id`, `suppress_tokens`,
 `begin_suppress_tokens`. A family whose prompt depends on choices (Whisper's language and task)

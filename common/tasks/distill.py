@@ -36,7 +36,7 @@ init_from's student: its KL before training.
 On-policy (`distill.lmbda`): that fraction of training batches (drawn by a hash of the batch and
 the seed, so a resumed run draws the same) is replaced by the student's own replies: each row's
 prompt (its tokens up to its first weighted target: the first assistant turn's start) is continued
-by the zoo's compiled sampler (`sampling.continue_rows`, as the grpo task samples) on the current
+by the zoo's compiled sampler (`engine.continue_rows`, as the grpo task samples) on the current
 weights, at `sample_temperature`, for at most `max_new_tokens` within the row's length; the reply
 is cut after its end of turn (or end token) and the tokens past it are masked as the grpo task
 masks them (segment 0, weight 0). The teacher then scores every sampled token. lmbda 0 is the
@@ -59,7 +59,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from nnx_zoo.common import models, parallel, sampling, tasks
+from nnx_zoo.common import engine, models, parallel, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import aux, qlora
 from nnx_zoo.common.tasks import losses
@@ -429,7 +429,7 @@ class Distill(tasks.Task):
     lengths = np.where(valid, lengths, 1)  # a row with no prompt that fits: sampled, not trained
     prompts = np.where(np.arange(P) < lengths[:, None], tokens[:, :P], 0).astype(np.int32)
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(seed), jnp.arange(B))
-    out = sampling.continue_rows(
+    out = engine.continue_rows(
       params, prompts, lengths, keys, prefill=int(lengths.min()), **self._sampling
     )
     out = np.asarray(jax.device_get(out))

@@ -2,7 +2,7 @@
 2402.03300), online, with rewards a program checks (`data.format="prompts"`, `grpo.reward`).
 
 Each train step, before the gradient (`complete`): every prompt of the batch is continued
-`group_size` times by the zoo's compiled KV-cache sampler (`sampling.continue_rows`) on the
+`group_size` times by the zoo's compiled KV-cache sampler (`engine.continue_rows`) on the
 current weights, each completion cut after the chat template's end of turn (or the end token);
 the reward functions score them (common/tasks/rewards.py), and each completion's advantage is its
 total reward (the weighted sum of the functions') against its group's:
@@ -42,7 +42,7 @@ Where this differs from TRL:
   g of a prompt samples token t with fold_in(fold_in(key(seed), g), t): a resumed run draws the
   same rollouts, bit for bit, and no completion depends on the rows beside it or the mesh.
 - A step's rows are as long as its longest prompt, padded to the sampler's bucket
-  (`sampling.bucket` from PROMPT_BUCKET tokens: 64, 96, 128, 192, ...; data.seq_len only caps
+  (`engine.bucket` from PROMPT_BUCKET tokens: 64, 96, 128, 192, ...; data.seq_len only caps
   it), plus max_new_tokens: short prompts do not pay for data.seq_len (SmolLM2 at seq_len=256 on
   40-token prompts computes rows of 96 tokens, not 288). The sampler and the step compile once
   per bucket a run meets; `batch_shapes` (what `zoo plan` and the memory check compile) is the
@@ -67,7 +67,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from nnx_zoo.common import models, parallel, sampling, tasks
+from nnx_zoo.common import engine, models, parallel, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import aux
 from nnx_zoo.common.tasks import losses, reference
@@ -141,7 +141,7 @@ def end_of(new: np.ndarray, stops: list[np.ndarray]) -> tuple[int, int] | None:
 def rows_width(longest: int, seq_len: int) -> int:
   """The prompt part of a step's rows: its longest prompt in the sampler's bucket, at most
   data.seq_len (the prompts' own rows)."""
-  return min(sampling.bucket(max(longest, 1), minimum=sampling.PROMPT_BUCKET), seq_len)
+  return min(engine.bucket(max(longest, 1), minimum=engine.PROMPT_BUCKET), seq_len)
 
 
 class GRPO(tasks.Task):
@@ -293,14 +293,14 @@ class GRPO(tasks.Task):
 
   def _rollouts(self, params, prompts_RP, lengths_R, keys_R, *, split: str):
     """[R, P + N]: each row's prompt and its completion, sampled (training) or greedy (the
-    sampler's one loop, through `sampling.continue_rows`)."""
+    sampler's one loop, through `engine.continue_rows`)."""
     s = self.s
     _, prefill = self._split(split)
     if split == "train":
       options = dict(temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p))
     else:
       options = dict(temperature=0.0)
-    out = sampling.continue_rows(
+    out = engine.continue_rows(
       params, prompts_RP, lengths_R, keys_R, prefill=prefill, **self._sampling, **options
     )
     return np.asarray(jax.device_get(out))

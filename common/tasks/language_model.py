@@ -29,7 +29,7 @@ class LanguageModel(tasks.Task):
     return losses.next_token_rows(batch)
 
   def generate(self, args, cfg):
-    from nnx_zoo.common import sampling
+    from nnx_zoo.common import engine
     from nnx_zoo.common.data import spans, tokenizers
     from nnx_zoo.common.hub import weights
 
@@ -44,7 +44,7 @@ class LanguageModel(tasks.Task):
     if len(prompt) == 0:
       raise UserError("The prompt is empty: give --prompt TEXT.")
     graphdef, params, _ = weights.restore_params(cfg, args.workdir)
-    out = sampling.generate((graphdef, params), prompt[None], **sampling_options(args))
+    out = engine.generate((graphdef, params), prompt[None], **sampling_options(args))
     print(tokenizer.decode(out[0].tolist()))
 
 
@@ -56,7 +56,7 @@ def chat(args, cfg):
   import sys
   from concurrent import futures
 
-  from nnx_zoo.common import sampling, tasks
+  from nnx_zoo.common import engine, tasks
   from nnx_zoo.common.data import chat as chat_data
   from nnx_zoo.common.data import tokenizers
   from nnx_zoo.common.hub import weights
@@ -78,32 +78,39 @@ def chat(args, cfg):
       given = given.get(cfg.data.messages_field, given.get("messages"))
     messages += chat_data.check_messages(given, args.messages)
 
-  # One worker restores the weights, then readies the sampler for the first prompt's length (from
-  # the persistent cache, common/programs.py): in turn-by-turn chat, while the first line is
-  # typed (a short line's prompt shares the bucket of an empty one's, sampling.bucket).
+  # One worker restores the weights, then builds the engine (one slot: each turn's prompt begins
+  # with the last turn's, which the slot still holds) and readies its programs for the first
+  # prompt's length (from the persistent cache, common/programs.py): in turn-by-turn chat, while
+  # the first line is typed.
   with futures.ThreadPoolExecutor(1, thread_name_prefix="load") as worker:
     restored = worker.submit(weights.restore_params, cfg, args.workdir)
     # Decoding stops at the end of the turn: the end token, or the template's end-of-turn tag
     # where it is one token (ChatML's <|im_end|>).
     end_ids = tokenizer.encode_chat(template.end_of_turn)[0] if template.end_of_turn else []
-    options["stop_ids"] = (tokenizer.eos_id, *(end_ids if len(end_ids) == 1 else ()))
+    stop_ids = (tokenizer.eos_id, *(end_ids if len(end_ids) == 1 else ()))
+    params = engine.SamplingParams(
+      options["max_new_tokens"], options["temperature"], options["top_k"], options["top_p"],
+      stop_ids=engine.stop_tuple(stop_ids),
+    )  # fmt: skip
 
     def encode(messages):
       return tokenizer.encode_chat(template.render(messages, add_generation_prompt=True))[0]
 
     def ready(prompt_len):
-      graphdef, params, _ = restored.result()
-      sampling.prepare((graphdef, params), 1, prompt_len, rng=rng, **options)
+      graphdef, weights_, _ = restored.result()
+      eng = engine.Engine((graphdef, weights_), slots=1, max_len=CHAT_MAX_LEN)
+      eng.prepare(prompt_len, params.max_tokens, truncate=params.truncates)
+      return eng
 
     first = messages if args.messages is not None else [*messages, {"role": "user", "content": ""}]
     readied = worker.submit(ready, len(encode(first)))
 
     def answer(messages, rng):
       prompt = encode(messages)
-      readied.result()  # raises what the restore raised
-      graphdef, params, _ = restored.result()
-      out = sampling.generate((graphdef, params), prompt[None], rng=rng, **options)
-      new = out[0, len(prompt) :].tolist()
+      eng = readied.result()  # raises what the restore raised
+      # The key `generate` gives its one row, so a turn's reply is what it was before the engine.
+      eng.submit(prompt, params, key=jax.random.split(rng, 1)[0])
+      new = eng.run().popitem()[1] if eng.busy else []
       if tokenizer.eos_id is not None and tokenizer.eos_id in new:
         new = new[: new.index(tokenizer.eos_id)]
       text = tokenizer.decode(new)
@@ -123,6 +130,9 @@ def chat(args, cfg):
       reply = answer(messages, jax.random.fold_in(rng, turn))
       print(reply, flush=True)
       messages.append({"role": "assistant", "content": reply})
+
+
+CHAT_MAX_LEN = 4096  # the longest conversation `zoo chat` holds (its cache grows as it goes)
 
 
 def sampling_options(args) -> dict:

@@ -17,7 +17,7 @@ class Seq2Seq(tasks.Task):
   summary = language_model.LanguageModel.summary
 
   def generate(self, args, cfg):
-    from nnx_zoo.common import sampling
+    from nnx_zoo.common import engine
     from nnx_zoo.common.data import spans, tokenizers
     from nnx_zoo.common.hub import weights
 
@@ -33,7 +33,7 @@ class Seq2Seq(tasks.Task):
     if len(prompt) == 0:
       raise UserError("The prompt is empty: give --prompt TEXT.")
     options = language_model.sampling_options(args)
-    out = sampling.generate_seq2seq((graphdef, params), prompt[None], **options)[0].tolist()
+    out = engine.generate_seq2seq((graphdef, params), prompt[None], **options)[0].tolist()
     if tokenizer.eos_id in out:
       out = out[: out.index(tokenizer.eos_id)]
     print(spans.decode_output(out, tokenizer, vocab, extra))

@@ -52,7 +52,7 @@ class Speech(tasks.Task):
     """The transcript of a WAV file, greedy unless --temperature says otherwise: a speech
     experiment's run (its own word list), or a converted checkpoint (its generation_config.json's
     prompt, its tokenizer)."""
-    from nnx_zoo.common import sampling
+    from nnx_zoo.common import engine
     from nnx_zoo.common.data import speech, tokenizers
     from nnx_zoo.common.hub import generation, weights
 
@@ -102,7 +102,7 @@ class Speech(tasks.Task):
 
     def transcribe(samples):
       features = audio.log_mel(samples, num_mels=cfg.model.channels, seconds=seconds)
-      out = sampling.generate_seq2seq(
+      out = engine.generate_seq2seq(
         (graphdef, params),
         features[None],
         max_new_tokens=limit,

@@ -297,7 +297,7 @@ def test_zoo_chat_answers_with_the_template_and_stops_at_the_end_of_turn(tmp_pat
   prompt with the generation prompt, cut where the template's end of turn begins."""
   import jax
 
-  from nnx_zoo.common import cli, experiments, sampling
+  from nnx_zoo.common import cli, engine, experiments
   from nnx_zoo.common.hub import weights
   from nnx_zoo.common.train import trainer
 
@@ -316,7 +316,7 @@ def test_zoo_chat_answers_with_the_template_and_stops_at_the_end_of_turn(tmp_pat
   tokenizer = zoo_tokenizers.load(cfg.data.tokenizer)
   prompt, _ = tokenizer.encode_chat(template.render(messages, add_generation_prompt=True))
   graphdef, params, _ = weights.restore_params(cfg, str(tmp_path / "run"))
-  out = sampling.generate(
+  out = engine.generate(
     (graphdef, params), prompt[None], max_new_tokens=40, rng=jax.random.key(0), temperature=0
   )
   full = tokenizer.decode(out[0, len(prompt) :].tolist())

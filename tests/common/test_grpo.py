@@ -1,5 +1,5 @@
 """The grpo task: its advantages and loss against the formulas in numpy (DeepSeekMath's GRPO with
-TRL's loss types), the in-loop sampler against `sampling.generate`, the reward functions' checks,
+TRL's loss types), the in-loop sampler against `engine.generate`, the reward functions' checks,
 a short run through the trainer, and a resumed run's rollouts against an unbroken one's."""
 
 import json
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import experiments, models, report, sampling, tasks
+from nnx_zoo.common import engine, experiments, models, report, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import weights
 from nnx_zoo.common.nn import lora
@@ -142,7 +142,7 @@ def test_ratio_is_one_without_old_logps(fixed):
 
 def test_rollouts_at_temperature_0_equal_generate():
   """`continue_rows` (prompts of different lengths left-aligned, one prefill, the rest forced)
-  at temperature 0 gives each prompt the tokens `sampling.generate` (`zoo generate`) does."""
+  at temperature 0 gives each prompt the tokens `engine.generate` (`zoo generate`) does."""
   cfg = experiments.get_config("chat/grpo:smoke")
   model = models.build(cfg.model, seed=0)
   graphdef, params = nnx.split(model)
@@ -151,12 +151,12 @@ def test_rollouts_at_temperature_0_equal_generate():
   P, N = 10, 6
   prompts = rng.integers(0, 256, (4, P)).astype(np.int32) * (np.arange(P)[None] < lengths[:, None])
   keys = jax.vmap(jax.random.key)(jnp.arange(4, dtype=jnp.uint32))
-  out = sampling.continue_rows(
+  out = engine.continue_rows(
     params, prompts, lengths, keys, graphdef=graphdef, prefill=3, max_new_tokens=N, temperature=0.0
   )
   out = np.asarray(out)
   for b, n in enumerate(lengths):
-    want = sampling.generate(model, prompts[b : b + 1, :n], max_new_tokens=N, rng=jax.random.key(0),
+    want = engine.generate(model, prompts[b : b + 1, :n], max_new_tokens=N, rng=jax.random.key(0),
                              temperature=0)  # fmt: skip
     np.testing.assert_array_equal(out[b, : n + N], np.asarray(want)[0])
 
@@ -169,14 +169,15 @@ def test_rollout_rows_do_not_depend_on_their_neighbours():
   lengths = np.array([8, 5, 6])
   keys = jax.vmap(jax.random.key)(jnp.array([7, 8, 9], jnp.uint32))
   kw = dict(graphdef=graphdef, prefill=5, max_new_tokens=5, temperature=1.0)
-  both = np.asarray(sampling.continue_rows(params, prompts, lengths, keys, **kw))
-  alone = np.asarray(sampling.continue_rows(params, prompts[1:2], lengths[1:2], keys[1:2], **kw))
+  both = np.asarray(engine.continue_rows(params, prompts, lengths, keys, **kw))
+  alone = np.asarray(engine.continue_rows(params, prompts[1:2], lengths[1:2], keys[1:2], **kw))
   np.testing.assert_array_equal(both[1, : 5 + 5], alone[0, : 5 + 5])  # its prompt, its 5 tokens
 
 
 def test_rollouts_end_early_once_every_row_has_stopped():
-  """With stop ids, each row's tokens up to its first stop are those of the full loop; the loop
-  ends once every row has one (here each row's first new token is a stop)."""
+  """With stop ids, each row's tokens up to its first stop are those of the full loop, and the
+  row holds the first stop id after it (here each row's first new token is a stop: the engine
+  decodes nothing more)."""
   cfg = experiments.get_config("chat/grpo:smoke")
   graphdef, params = nnx.split(models.build(cfg.model, seed=0))
   rng = np.random.default_rng(1)
@@ -184,13 +185,13 @@ def test_rollouts_end_early_once_every_row_has_stopped():
   prompts = rng.integers(1, 256, (3, 9)).astype(np.int32) * (np.arange(9)[None] < lengths[:, None])
   keys = jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32))
   kw = dict(graphdef=graphdef, prefill=4, max_new_tokens=6, temperature=0.0)
-  full = np.asarray(sampling.continue_rows(params, prompts, lengths, keys, **kw))
+  full = np.asarray(engine.continue_rows(params, prompts, lengths, keys, **kw))
   first = full[np.arange(3), lengths]  # each row's first new token
   stops = tuple(sorted({int(t) for t in first}))
-  early = np.asarray(sampling.continue_rows(params, prompts, lengths, keys, stop_ids=stops, **kw))
+  early = np.asarray(engine.continue_rows(params, prompts, lengths, keys, stop_ids=stops, **kw))
   for b, n in enumerate(lengths):
     np.testing.assert_array_equal(early[b, : n + 1], full[b, : n + 1])
-  assert (early[:, -1] == 0).all()  # never written: the loop ended long before
+    assert (early[b, n + 1 :] == stops[0]).all()
 
 
 def test_completions_end_at_the_end_of_turn():
@@ -530,8 +531,8 @@ def test_rows_fit_the_longest_prompt_with_the_same_rollouts_and_loss(tmp_path, m
   task = tasks.of(cfg).prepare(data, cfg=cfg)
   rows = {k: np.asarray(v) for k, v in task.complete(batch, params).items()}
   longest = int(batch["segment_ids"].sum(axis=1).max())
-  assert rows["tokens"].shape[1] == sampling.bucket(longest, minimum=64) + N == 64 + N
-  monkeypatch.setattr(sampling, "PROMPT_BUCKET", 1024)  # the bucket capped at seq_len: before
+  assert rows["tokens"].shape[1] == engine.bucket(longest, minimum=64) + N == 64 + N
+  monkeypatch.setattr(engine, "PROMPT_BUCKET", 1024)  # the bucket capped at seq_len: before
   task = tasks.of(cfg).prepare(data, cfg=cfg)
   full = {k: np.asarray(v) for k, v in task.complete(batch, params).items()}
   assert full["tokens"].shape[1] == 128 + N

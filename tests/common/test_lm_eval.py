@@ -12,7 +12,7 @@ pytest.importorskip("lm_eval")
 
 import jax  # noqa: E402
 
-from nnx_zoo.common import cli, sampling  # noqa: E402
+from nnx_zoo.common import cli, engine  # noqa: E402
 from nnx_zoo.common import lm_eval as zoo_lm_eval  # noqa: E402
 from nnx_zoo.common.errors import UserError  # noqa: E402
 
@@ -190,14 +190,14 @@ def test_buckets():
 @pytest.mark.slow
 def test_ragged_batch_generation_equals_one_prompt_at_a_time(dirs):
   """Prompts of different lengths in one batch (a prefill all of them fill, then each row fed
-  its own prompt): each row's greedy tokens equal sampling.generate on that prompt alone."""
+  its own prompt): each row's greedy tokens equal engine.generate on that prompt alone."""
   lm = zoo_lm_eval.load_lm(dirs["zoo"], batch_size=4)
   text = " ".join(_corpus())
   prompts = [lm.tok_encode(text[start:])[:n] for start, n in ((0, 40), (7, 19), (30, 27))]
   max_new = 20  # two compiled calls of zoo_lm_eval.DECODE_STEPS
   got = lm._generate(prompts, max_new, until=[])
   for prompt, text in zip(prompts, got, strict=True):
-    out = sampling.generate(
+    out = engine.generate(
       (lm.graphdef, lm.params),
       np.asarray(prompt)[None],
       max_new_tokens=max_new,

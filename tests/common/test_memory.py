@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import models, sampling, tasks
+from nnx_zoo.common import engine, models, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import accumulate, lora, stacking
 from nnx_zoo.common.train import step as steps
@@ -175,7 +175,7 @@ def test_decoding_with_scan_equals_without(family):
   logits, _ = scanned(prompt, cache=cache)
   np.testing.assert_allclose(logits, scanned(prompt), rtol=1e-5, atol=1e-5)
   out = [
-    sampling.generate(m, prompt, max_new_tokens=3, rng=jax.random.key(0), temperature=0)
+    engine.generate(m, prompt, max_new_tokens=3, rng=jax.random.key(0), temperature=0)
     for m in (plain, scanned)
   ]
   np.testing.assert_array_equal(out[0], out[1])
@@ -269,7 +269,7 @@ def test_scanned_pattern_with_a_rest_equals_unscanned_and_decodes():
   logits, _ = scanned(prompt, cache=scanned.init_cache(2, 8))
   np.testing.assert_allclose(logits, plain(prompt), rtol=1e-5, atol=1e-5)
   out = [
-    sampling.generate(m, prompt, max_new_tokens=3, rng=jax.random.key(0), temperature=0)
+    engine.generate(m, prompt, max_new_tokens=3, rng=jax.random.key(0), temperature=0)
     for m in (plain, scanned)
   ]
   np.testing.assert_array_equal(out[0], out[1])

@@ -1,6 +1,7 @@
 """common/programs.py: a traced program saved with jax.export and loaded by a later process gives
-what tracing it gives (`zoo chat`'s sampler, greedy and sampled), is found again only for the same
-model, arguments and code, and a damaged file is traced again."""
+what tracing it gives (the engine's prefill and decode programs, which `zoo chat` runs, greedy and
+sampled), is found again only for the same model, arguments and code, and a damaged file is
+traced again."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import experiments, models, programs, sampling
+from nnx_zoo.common import engine, experiments, models, programs
 
 
 @pytest.fixture(scope="module")
@@ -17,27 +18,34 @@ def model():
   return nnx.split(models.build(cfg, seed=0))
 
 
+def forget(monkeypatch):
+  """A new process: no program in memory (programs' nor the engine's own)."""
+  monkeypatch.setattr(programs, "_loaded", {})
+  monkeypatch.setattr(engine, "_PROGRAMS", {})
+
+
 def generate(model, **kw):
   prompt = jnp.asarray([[5, 9, 2, 7]], jnp.int32)
   options = dict(max_new_tokens=6, rng=jax.random.key(3), temperature=0.0) | kw
-  return np.asarray(sampling.generate(model, prompt, **options))
+  return np.asarray(engine.generate(model, prompt, **options))
 
 
 def test_a_saved_program_gives_what_tracing_gives(model, tmp_path, monkeypatch):
   want_greedy, want_sampled = generate(model), generate(model, temperature=1.0)
   folder = tmp_path / "exported"
   monkeypatch.setattr(programs, "directory", lambda: str(folder))
-  monkeypatch.setattr(programs, "_loaded", {})
+  forget(monkeypatch)
   np.testing.assert_array_equal(generate(model), want_greedy)  # traced and saved
+  # Greedy and sampled rows run the same programs (a temperature is an argument, not a shape).
   np.testing.assert_array_equal(generate(model, temperature=1.0), want_sampled)
-  saved = sorted(p.name for p in folder.iterdir())
-  assert len(saved) == 2 and all(p.startswith("generate-") for p in saved)
+  saved = sorted(p.name.rsplit("-", 1)[0] for p in folder.iterdir())
+  assert saved == ["engine-decode", "engine-prefill"]
   longer = jnp.asarray([[5, 9, 2, 7, 1, 1, 3, 8, 4]], jnp.int32)  # the same prompt bucket
-  sampling.generate(model, longer, max_new_tokens=6, rng=jax.random.key(3), temperature=0.0)
+  engine.generate(model, longer, max_new_tokens=6, rng=jax.random.key(3), temperature=0.0)
   assert len(list(folder.iterdir())) == 2
 
   # A later process: nothing in memory, and no tracing (export refused), only loading.
-  monkeypatch.setattr(programs, "_loaded", {})
+  forget(monkeypatch)
   monkeypatch.setattr(jax.export, "export", lambda *a, **k: pytest.fail("traced again"))
   np.testing.assert_array_equal(generate(model), want_greedy)
   np.testing.assert_array_equal(generate(model, temperature=1.0), want_sampled)
@@ -62,11 +70,11 @@ def test_a_damaged_program_is_traced_again(model, tmp_path, monkeypatch, capsys)
   want = generate(model)
   folder = tmp_path / "exported"
   monkeypatch.setattr(programs, "directory", lambda: str(folder))
-  monkeypatch.setattr(programs, "_loaded", {})
+  forget(monkeypatch)
   generate(model)
-  (path,) = folder.iterdir()
+  path = sorted(folder.iterdir())[0]
   path.write_bytes(path.read_bytes()[:100])
-  monkeypatch.setattr(programs, "_loaded", {})
+  forget(monkeypatch)
   np.testing.assert_array_equal(generate(model), want)
   assert "does not load" in capsys.readouterr().err
   assert len(path.read_bytes()) > 100  # saved whole again
@@ -74,16 +82,16 @@ def test_a_damaged_program_is_traced_again(model, tmp_path, monkeypatch, capsys)
 
 def test_a_program_readied_from_abstract_params_is_the_one_generate_runs(model, tmp_path,
                                                                          monkeypatch):  # fmt: skip
-  """`sampling.prepare` with the params' shapes only (what `zoo chat` can do before they are
-  restored) traces and compiles the program; `generate` then runs it, tracing nothing."""
+  """`engine.prepare` with the params' shapes only (what `zoo chat` can do before they are
+  restored) traces and compiles the programs; `generate` then runs them, tracing nothing."""
   want = generate(model)
   graphdef, params = model
   monkeypatch.setattr(programs, "directory", lambda: str(tmp_path / "exported"))
-  monkeypatch.setattr(programs, "_loaded", {})
+  forget(monkeypatch)
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
   options = dict(max_new_tokens=6, rng=jax.random.key(3), temperature=0.0)
-  sampling.prepare((graphdef, shapes), 1, 4, **options)
-  assert len(programs._loaded) == 1
+  engine.prepare((graphdef, shapes), 1, 4, **options)
+  assert len(programs._loaded) == 2
   monkeypatch.setattr(jax.export, "export", lambda *a, **k: pytest.fail("traced again"))
   np.testing.assert_array_equal(generate(model), want)
-  assert len(programs._loaded) == 1
+  assert len(programs._loaded) == 2

@@ -6,7 +6,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from nnx_zoo.common import sampling
+from nnx_zoo.common import engine
 from nnx_zoo.common.data import chat, rollouts, tokenizers
 from nnx_zoo.common.hub import tiny, weights
 
@@ -36,7 +36,7 @@ def test_batched_replies_are_greedy_decoding(setting):
   model = weights.load(cfg.init_from)
   for prompt, reply in zip(PROMPTS, got, strict=True):
     ids, _ = tokenizer.encode_chat(template.render(prompt, add_generation_prompt=True))
-    out = np.asarray(sampling.generate(model, ids[None], max_new_tokens=6, rng=KEY, temperature=0))
+    out = np.asarray(engine.generate(model, ids[None], max_new_tokens=6, rng=KEY, temperature=0))
     new = out[0, len(ids) :].tolist()
     if tokenizer.eos_id in new:
       new = new[: new.index(tokenizer.eos_id)]

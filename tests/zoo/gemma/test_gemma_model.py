@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import hub, models, sampling
+from nnx_zoo.common import engine, hub, models
 from nnx_zoo.common.nn import stacking
 from nnx_zoo.common.tasks import losses
 from nnx_zoo.zoo.gemma import model as gemma
@@ -110,8 +110,8 @@ def test_cached_decoding_with_sliding_windows_equals_full_forward():
   drops."""
   _, model = tiny(num_layers=2)
   prompt = tokens(3, (2, 6))
-  out = sampling.generate(model, prompt, max_new_tokens=14, rng=jax.random.key(0), temperature=0)
-  want = sampling.generate_stepwise(model, prompt, max_new_tokens=14)
+  out = engine.generate(model, prompt, max_new_tokens=14, rng=jax.random.key(0), temperature=0)
+  want = engine.generate_stepwise(model, prompt, max_new_tokens=14)
   np.testing.assert_array_equal(out, want)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import models, sampling
+from nnx_zoo.common import engine, models
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import stacking, transformer
 from nnx_zoo.zoo.llama import model as llama
@@ -58,12 +58,10 @@ def source(seed=0, B=2, S=11):
 def test_cached_greedy_decoding_equals_full_forward(overrides):
   model = tiny(**overrides)
   tokens, segments = source()
-  got = sampling.generate_seq2seq(
+  got = engine.generate_seq2seq(
     model, tokens, segment_ids_BS=segments, max_new_tokens=8, rng=jax.random.key(0), temperature=0
   )
-  want = sampling.generate_seq2seq_stepwise(
-    model, tokens, segment_ids_BS=segments, max_new_tokens=8
-  )
+  want = engine.generate_seq2seq_stepwise(model, tokens, segment_ids_BS=segments, max_new_tokens=8)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert len(np.unique(np.asarray(want))) > 2, "a degenerate test: decoding repeats one token"
 
@@ -159,12 +157,12 @@ def test_remat_and_scan_change_nothing(levers):
 
 def test_wrong_generation_path_is_one_clear_error():
   with pytest.raises(
-    UserError, match="encoder-decoder model: generate with sampling.generate_seq2seq"
+    UserError, match="encoder-decoder model: generate with engine.generate_seq2seq"
   ):
-    sampling.generate(tiny(), jnp.ones((1, 3), jnp.int32), max_new_tokens=2, rng=jax.random.key(0))
+    engine.generate(tiny(), jnp.ones((1, 3), jnp.int32), max_new_tokens=2, rng=jax.random.key(0))
   decoder = models.build(llama.config("tiny"))
   with pytest.raises(UserError, match="Decoder is not an encoder-decoder"):
-    sampling.generate_seq2seq(
+    engine.generate_seq2seq(
       decoder, jnp.ones((1, 3), jnp.int32), max_new_tokens=2, rng=jax.random.key(0)
     )
 

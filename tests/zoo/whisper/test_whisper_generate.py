@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from nnx_zoo.common import cli, hub, sampling
+from nnx_zoo.common import cli, engine, hub
 from nnx_zoo.common.data import audio
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import generation
@@ -105,7 +105,7 @@ def zoo_ids(zoo_dir, wav, language=None, task=None) -> list[int]:
     "whisper", generation.read(str(zoo_dir)), language=language, task=task
   )
   features = audio.log_mel(audio.read_wav(str(wav)), num_mels=80, seconds=SECONDS)
-  out = sampling.generate_seq2seq(
+  out = engine.generate_seq2seq(
     model, features[None], max_new_tokens=MAX_NEW, rng=jax.random.key(0), temperature=0.0,
     decoder_prompt=list(settings.decoder_prompt), suppress_ids=settings.suppress_ids,
     begin_suppress_ids=settings.begin_suppress_ids,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo.common import models, sampling
+from nnx_zoo.common import engine, models
 from nnx_zoo.zoo.whisper import model as whisper
 
 BIG = ("whisper-medium", "whisper-large-v2", "whisper-large-v3", "whisper-large-v3-turbo")
@@ -40,8 +40,8 @@ def tiny(seed=0, **overrides):
 def test_cached_greedy_decoding_equals_full_forward():
   model = tiny(num_layers=1, num_decoder_layers=2)
   frames = jnp.asarray(np.random.default_rng(0).standard_normal((2, 100, 80)), jnp.float32)
-  want = sampling.generate_seq2seq_stepwise(model, frames, max_new_tokens=6)
-  got = sampling.generate_seq2seq(
+  want = engine.generate_seq2seq_stepwise(model, frames, max_new_tokens=6)
+  got = engine.generate_seq2seq(
     model, frames, max_new_tokens=6, rng=jax.random.key(0), temperature=0.0
   )
   assert got.dtype == jnp.int32
@@ -51,8 +51,8 @@ def test_cached_greedy_decoding_equals_full_forward():
   # first greedy token, at the first step the second one.
   prompt, suppress, begin = [1, 7, 9], [int(want[0, 0])], [int(want[1, 0]), 40]
   kw = dict(decoder_prompt=prompt, suppress_ids=suppress, begin_suppress_ids=begin)
-  want = sampling.generate_seq2seq_stepwise(model, frames, max_new_tokens=4, **kw)
-  got = sampling.generate_seq2seq(
+  want = engine.generate_seq2seq_stepwise(model, frames, max_new_tokens=4, **kw)
+  got = engine.generate_seq2seq(
     model, frames, max_new_tokens=4, rng=jax.random.key(0), temperature=0.0, **kw
   )
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from nnx_zoo.common import hub, sampling
+from nnx_zoo.common import engine, hub
 from nnx_zoo.common.errors import UserError
 
 torch = pytest.importorskip("torch")
@@ -122,7 +122,7 @@ def test_greedy_generation_equals_transformers(converted):
   _, model, tmp, _ = converted
   ours = hub.load(str(tmp / "zoo"))
   features, _ = inputs(2)
-  got = sampling.generate_seq2seq(
+  got = engine.generate_seq2seq(
     ours, np.transpose(features, (0, 2, 1)), max_new_tokens=8, rng=jax.random.key(0),
     temperature=0.0,
   )  # fmt: skip
