@@ -1,4 +1,5 @@
-"""The `zoo` command: list, show, plan, run, eval, generate, data, convert, export, lm-eval.
+"""The `zoo` command: list, show, plan, run, eval, generate, chat, serve, data, convert, export,
+lm-eval.
 See docs/DESIGN.md for the contract."""
 
 import argparse
@@ -26,6 +27,9 @@ zoo generate --workdir DIR (--labels 3,3,7 | --num-per-label N) --out FILE.npz [
              --steps S --eta E --seed I]             # a class-conditional image model (DiT)
 zoo chat --workdir DIR [--messages FILE.json] [--system TEXT]   # talk to a chat model (its
              run's chat template, the KV cache, each answer cut at the end of its turn)
+zoo serve --workdir DIR [--host 127.0.0.1] [--port 8000] [--slots N] [--max-len T]
+             [--model-name NAME] [--max-queue Q] [--grace-s S] [--api-key KEY]
+             [--dtype float32|bfloat16]   # an OpenAI-compatible HTTP server (docs/serving.md)
 zoo data prepare EXP --out DIR [--workers N] [--config.KEY=VALUE ...]  # tokenize the
              experiment's sources once (data.kind=prepared, data.path=DIR then trains from them)
 zoo data show EXP [--split train|eval] [--rows N] [--json]  # the rows the trainer would see
@@ -130,6 +134,17 @@ def parser() -> argparse.ArgumentParser:
   talk.add_argument("--top-k", type=int, default=0)
   talk.add_argument("--top-p", type=float, default=1.0)
   talk.add_argument("--seed", type=int, default=0)
+  srv = sub.add_parser("serve")
+  srv.add_argument("--workdir", required=True, help="a zoo run, a .gguf file or an HF directory")
+  srv.add_argument("--host", default="127.0.0.1", help="the address to bind (0.0.0.0: every one)")
+  srv.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
+  srv.add_argument("--slots", type=int, default=8, help="requests decoded together")
+  srv.add_argument("--max-len", type=int, help="tokens per slot (default: the model's, <= 2048)")
+  srv.add_argument("--model-name", help="the name clients send (default: the workdir's)")
+  srv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the slots")
+  srv.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM: time to finish requests")
+  srv.add_argument("--api-key", help="the key clients must send (Authorization: Bearer KEY)")
+  srv.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute in (default: saved)")
   data = sub.add_parser("data")
   data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=Parser)
   prep = data_sub.add_parser("prepare")
@@ -333,19 +348,21 @@ def cmd_chat(args, _overrides):
   language_model.chat(args, cfg)
 
 
+def cmd_serve(args, _overrides):
+  """An OpenAI-compatible HTTP server over the engine (common/serve/, docs/serving.md)."""
+  from nnx_zoo.common.serve import server
+
+  server.serve(args)
+
+
 def workdir_config(args):
   """The config.json of `--workdir`: a `zoo run` workdir, a `zoo convert` output, or a .gguf
-  file (converted once into the zoo's cache, which then stands in for the workdir)."""
-  from nnx_zoo.common import config as config_lib
+  file, a Hugging Face directory or `tiny:NAME` (converted once into the zoo's cache, which then
+  stands in for the workdir: `hub.weights.as_workdir`)."""
   from nnx_zoo.common.hub import weights
 
-  if args.workdir.endswith(".gguf"):
-    args.workdir = weights.gguf_workdir(args.workdir)
-  path = os.path.join(args.workdir, "config.json")
-  if not os.path.exists(path):
-    raise UserError(f"{args.workdir} has no config.json: give the --workdir of a `zoo run`.")
-  with open(path) as f:
-    return config_lib.from_json(f.read())
+  args.workdir, cfg = weights.workdir_config(args.workdir)
+  return cfg
 
 
 def cmd_data(args, overrides):
@@ -431,6 +448,7 @@ COMMANDS = {
   "goodput": cmd_goodput,
   "generate": cmd_generate,
   "chat": cmd_chat,
+  "serve": cmd_serve,
   "data": cmd_data,
   "convert": cmd_convert,
   "export": cmd_export,
@@ -443,7 +461,7 @@ COMPILATION_CACHE = "NNX_ZOO_COMPILATION_CACHE"
 # Commands that start JAX's backends at once: quietly, so libtpu's C-level complaints on a host
 # without a TPU (from the tpu and test extras) do not come before the answer. `run` and `eval`
 # start them after jax.distributed.initialize (several hosts), quietly too (mesh.hardware_name).
-STARTS_JAX = ("generate", "chat", "convert", "export", "lm-eval")
+STARTS_JAX = ("generate", "chat", "serve", "convert", "export", "lm-eval")
 
 
 def start_jax(command: str):
@@ -479,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
       "list",
       "goodput",
       "generate",
+      "serve",
       "convert",
       "export",
       "lm-eval",

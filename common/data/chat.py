@@ -43,13 +43,17 @@ class Template:
   def marked(self) -> bool:
     return bool(_MARKED.search(self.source))
 
-  def render(self, messages: list[dict], *, add_generation_prompt: bool = False, marks=False):
-    """The rendered text, and with `marks` the (start, end) characters of each marked span."""
+  def render(
+    self, messages: list[dict], *, add_generation_prompt: bool = False, marks=False, tools=None
+  ):
+    """The rendered text, and with `marks` the (start, end) characters of each marked span.
+    `tools`: the tools offered (OpenAI's `tools`), for a template that reads them."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
       texts, spans = render_jinja_template(
         [messages],
+        tools=tools,
         chat_template=self.source,
         add_generation_prompt=add_generation_prompt,
         return_assistant_tokens_mask=marks,

@@ -191,6 +191,58 @@ def gguf_workdir(path: str) -> str:
   return out
 
 
+def is_hf_directory(path: str) -> bool:
+  """Whether `path` is a Hugging Face model directory (config.json with a `model_type` beside
+  safetensors weights), not a zoo workdir (whose config.json holds a `model` section)."""
+  config = os.path.join(path, "config.json")
+  if not os.path.isfile(config) or is_zoo_checkpoint(path):
+    return False
+  try:
+    with open(config) as f:
+      hf_config = json.load(f)
+  except (OSError, ValueError):
+    return False
+  return isinstance(hf_config, dict) and "model" not in hf_config and "model_type" in hf_config
+
+
+def hf_workdir(path: str) -> str:
+  """A zoo checkpoint of a Hugging Face directory (`convert_hf`), made on first use under the
+  zoo's cache, keyed by the paths, sizes and times of its config and weights files: what `zoo
+  generate`, `zoo chat` and `zoo serve` read for a `--workdir HF_DIR`."""
+  path = os.path.abspath(locate(path))
+  keyed = sorted(
+    os.path.join(path, f)
+    for f in os.listdir(path)
+    if f == "config.json" or f.endswith((".safetensors", ".safetensors.index.json"))
+  )
+  key = hashlib.sha256("|".join(_file_key(f) for f in keyed).encode()).hexdigest()[:24]
+  out = files.cache_dir("hf-checkpoints", key)
+  if not is_zoo_checkpoint(out):
+    convert_hf(path, out)
+  return out
+
+
+def as_workdir(path: str) -> str:
+  """The zoo workdir that `--workdir PATH` names: PATH itself (a `zoo run` workdir or a `zoo
+  convert` output), or for a .gguf file, a Hugging Face directory or `tiny:NAME`, a zoo
+  checkpoint of it made once under the zoo's cache."""
+  if path.endswith(".gguf"):
+    return gguf_workdir(path)
+  if tiny.is_tiny(path) or is_hf_directory(path):
+    return hf_workdir(path)
+  return path
+
+
+def workdir_config(path: str) -> tuple[str, ml_collections.ConfigDict]:
+  """The zoo workdir `--workdir PATH` names (`as_workdir`) and its config.json."""
+  workdir = as_workdir(path)
+  config = os.path.join(workdir, "config.json")
+  if not os.path.exists(config):
+    raise UserError(f"{workdir} has no config.json: give the --workdir of a `zoo run`.")
+  with open(config) as f:
+    return workdir, config_lib.from_json(f.read())
+
+
 def read(path: str, *, quantize=None) -> tuple[ml_collections.ConfigDict, nnx.State]:
   """The model config and params at `path`: a zoo checkpoint (a `zoo run` workdir or the output
   of `zoo convert`), a Hugging Face directory or a GGUF file. `quantize` (`qlora.quantizer`):

@@ -21,14 +21,14 @@ LAYERS = (
   ("keymap",),
   ("zoo/",),
   ("models", "modifiers"),
-  ("sampling",),
+  ("engine",),
   ("hub",),
   ("data",),
   ("tasks",),
   ("train",),
   ("experiments/",),
   ("experiments", "report", "lm_eval", "supervisor"),
-  ("plan",),
+  ("plan", "serve"),
   ("cli",),
 )
 RANK = {node: rank for rank, layer in enumerate(LAYERS) for node in layer}
