@@ -331,6 +331,7 @@ class Engine:
     self._requests: dict[int, _Request] = {}
     self._cancelled: list[int] = []
     self._next_rid = 0
+    self._programs: dict = {}
 
   # what a caller sees
 
@@ -458,12 +459,15 @@ class Engine:
     """The compiled program `make()` builds for these arguments' shapes (kept for the process:
     engines of one model share them; through `programs.load` on one device)."""
     shapes = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args[1:]))
-    key = (name, static, self.graphdef, self._treedef, self._cache_def, shapes)
-    if key not in _PROGRAMS:
-      static_all = (static, self.graphdef, self._treedef, self._cache_def)
-      _PROGRAMS[key] = programs.load(f"engine-{name}", make(), args, static=static_all,
-                                     donate=(1,))  # fmt: skip
-    return _PROGRAMS[key]
+    local = (name, static, shapes)  # this engine's model: hashing its graph costs ~50 ms a step
+    if local not in self._programs:
+      key = (name, static, self.graphdef, self._treedef, self._cache_def, shapes)
+      if key not in _PROGRAMS:
+        static_all = (static, self.graphdef, self._treedef, self._cache_def)
+        _PROGRAMS[key] = programs.load(f"engine-{name}", make(), args, static=static_all,
+                                       donate=(1,))  # fmt: skip
+      self._programs[local] = _PROGRAMS[key]
+    return self._programs[local]
 
   def _ensure_cache(self, needed: int):
     """A cache of at least `needed` tokens a row: the next power of two (from MIN_CACHE, at
