@@ -239,12 +239,16 @@ def _prefill_fn(graphdef, treedef, cache_def, variant: _Variant, prompt_lp: bool
 
 
 def _decode_fn(graphdef, treedef, cache_def, variant: _Variant, steps: int):
-  """The program of `steps` decode steps for every slot: a running slot (active_S) feeds its
-  token at its position, draws the next, and stops at one of its stop ids or its limit; other
-  slots compute but keep their cache as it was."""
+  """The program of `steps` decode steps for the first n slots (n: the length of token_S, a
+  power of two covering every running slot; the rest of the cache is left alone): a running
+  slot (active_S) feeds its token at its position, draws the next, and stops at one of its stop
+  ids or its limit; the others among the n compute but keep their cache as it was."""
 
   def run(leaves, cache, token_S, active_S, keys_S, temp_S, topk_S, topp_S, limit_S, stops_SK):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    full, n = cache, token_S.shape[0]
+    if n < cache[0].shape[0]:  # the first n rows
+      cache = [x[:n] for x in cache]
     cache = jax.tree.unflatten(cache_def, cache)
 
     def step(carry, _):
@@ -262,7 +266,11 @@ def _decode_fn(graphdef, treedef, cache_def, variant: _Variant, steps: int):
 
     (cache, _, _), outs = jax.lax.scan(step, (cache, token_S, active_S), length=steps)
     outs = (None if o is None else jnp.moveaxis(o, 0, 1) for o in outs)
-    return (jax.tree.leaves(cache), *outs)
+    cache = jax.tree.leaves(cache)
+    if n < full[0].shape[0]:
+      put = lambda f, c: jax.lax.dynamic_update_slice_in_dim(f, c, 0, axis=0)
+      cache = [put(f, c) for f, c in zip(full, cache, strict=True)]
+    return (cache, *outs)
 
   return run
 
@@ -448,8 +456,8 @@ class Engine:
           m = _common_prefix(self._held[s], req.prompt, len(req.prompt) - 1)
           if m > match:
             best, match = s, m
-        if match == 0:  # a slot holding nothing useful: the emptiest, keeping others' prefixes
-          best = min(free, key=lambda s: len(self._held[s]))
+        # No prefix to reuse: the lowest free slot (a step decodes the first slots, up to the
+        # highest running one).
       free.remove(best)
       req.slot, req.filled, req.cached = best, match, match
       self._held[best] = req.prompt[:match]
@@ -503,9 +511,9 @@ class Engine:
               sd((k,), f32), sd((k, C), i32))  # fmt: skip
       make = lambda: _prefill_fn(self.graphdef, self._treedef, self._cache_def, variant, False)
       self._program("prefill", make, args, (variant, False))
-      args = (self._leaves, cache, sd((S,), i32), sd((S,), bool), sd((S, *key.shape), u32),
-              sd((S,), f32), sd((S,), i32), sd((S,), f32), sd((S,), i32),
-              sd((S, MAX_STOP_IDS), i32))  # fmt: skip
+      args = (self._leaves, cache, sd((k,), i32), sd((k,), bool), sd((k, *key.shape), u32),
+              sd((k,), f32), sd((k,), i32), sd((k,), f32), sd((k,), i32),
+              sd((k, MAX_STOP_IDS), i32))  # fmt: skip
       make = lambda: _decode_fn(
         self.graphdef, self._treedef, self._cache_def, variant, self.decode_steps
       )
@@ -591,7 +599,9 @@ class Engine:
       return []
     steps = self.decode_steps
     self._ensure_cache(max(len(r.prompt) + len(r.generated) for r in reqs) + steps)
-    S = self.slots
+    # The first S slots, a power of two covering every running one: idle rows past them cost
+    # nothing (admission fills the lowest free slots first).
+    S = min(_pow2(max(r.slot for r in reqs) + 1), self.slots)
     active = np.zeros(S, bool)
     keys = np.zeros((S, *reqs[0].key.shape), np.uint32)
     temp, top_p = np.zeros(S, np.float32), np.ones(S, np.float32)
@@ -605,8 +615,8 @@ class Engine:
       ids = stop_tuple(r.params.stop_ids)
       stops[s, : len(ids)] = ids
     variant = self._variant(reqs)
-    args = (self._leaves, self._cache, self._last.copy(), active, keys, temp, top_k, top_p, limit,
-            stops)  # fmt: skip
+    last = self._last[:S].copy()
+    args = (self._leaves, self._cache, last, active, keys, temp, top_k, top_p, limit, stops)
     make = lambda: _decode_fn(self.graphdef, self._treedef, self._cache_def, variant, steps)
     out = self._program("decode", make, args, (variant, steps))(*args)
     self._cache = out[0]
