@@ -7,7 +7,10 @@ the window (common/train/events.py, `Events.data_ready`, after its batch is read
 is slow at anything it does in the loop (reading data, Python, a stall) dispatches last, while
 the others, having waited for it inside the previous step, dispatch as soon as that step is done.
 A process's lateness at a step is its dispatch time less the earliest process's; the score
-compares its mean lateness over the window with the other processes'.
+compares its mean lateness over the window with the other processes'. JAX dispatching ahead does
+not spread these times over the window: each step the loop reads the previous step's preemption
+flag, an all-reduce over the processes (common/train/faults.py, `Signals.stop_after`), so no host
+dispatches a step before every host has dispatched the one two before it (docs/goodput.md).
 
 The times are each host's wall clock: across hosts they differ by the clocks' offset (NTP keeps
 it to milliseconds), far under the floor of the scale (`FLOOR` of a step). A slow accelerator

@@ -77,6 +77,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     warmup_steps=cfg.train.log_every,
   )
   injected = inject.from_env(workdir, process=process)
+  step_fn = injected.step_fn(step_fn)  # its stalls inside the step (none: the same step_fn)
 
   # Weights: resumed, fresh, or fresh with init_from's in their place (`start_state`)
   t0 = time.time()
@@ -127,9 +128,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
       ev.data_ready()
       batch = task.complete_train(batch, state.params)
       state, metrics = step_fn(state, fit.placed(batch, layout))
+      ev.dispatched(step, metrics)  # recorded when done (its metrics ready), not now
       nonfinite.observe(step, metrics)
       if step % cfg.train.log_every == 0 or step == cfg.train.steps:
         metrics = {k: float(v) for k, v in metrics.items()}
+        ev.wait_steps()  # the window's steps on disk before its line (and its straggler check)
         metrics["skipped"] = nonfinite.take()  # since the last line; "stop" raises here
         elapsed = time.perf_counter() - t0
         metrics["tokens_per_s"] = (step - since) * tokens_per_step / elapsed
@@ -142,13 +145,13 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
         last = metrics
       bar.update(1)
-      ev.step_end(step)
       if (
         data.eval is not None
         and cfg.train.eval_every
         and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
       ):
         weights_now = state.params if state.ema is None else state.ema  # train.ema: the average
+        ev.wait_steps()  # the queued steps' compute is theirs, not the evaluation's
         with guard.allowing(), ev.timed("eval", step=step):  # the first evaluation compiles
           held = evaluate(weights_now, data, graphdef=graphdef, cfg=cfg, layout=layout, task=task)
         log.write(step, held, split="eval")
@@ -165,6 +168,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
       if permanent or clock.due(step):
         nonfinite.check()  # under "stop", nothing after a non-finite step is saved
         kind = "permanent" if permanent else "temporary"
+        ev.wait_steps()  # the same for the save
         with ev.timed("checkpoint", step=step, kind=kind):
           ckpts.save(
             step,

@@ -1,6 +1,7 @@
 """common/train/goodput.py and events.py: every figure of `zoo goodput` against a timeline written
-by hand (its shares counted by hand), and on real `zoo run` processes: a SIGKILL and a rerun, the
-steps done again named as lost progress."""
+by hand (its shares counted by hand); steps timed when their outputs are ready, not when they are
+dispatched; on real `zoo run` processes, a SIGKILL and a rerun, the steps done again named as lost
+progress; and runs in this process, steady or with a step stalled inside."""
 
 import json
 import os
@@ -8,14 +9,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_zoo.common import cli
+from nnx_zoo.common import cli, experiments
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.train import events, goodput
+from nnx_zoo.common.train import events, goodput, trainer
+from nnx_zoo.common.train import inject as inject_env
 
 T0 = 1_000_000.0  # the fabricated timeline's origin (seconds since the epoch)
 
@@ -153,6 +157,17 @@ def test_a_workdir_without_events_is_one_line(tmp_path, capsys):
     goodput.summary(str(tmp_path), process=3)
 
 
+class Output:
+  """A step's output whose readiness the test decides (`jax.block_until_ready` calls its method)."""
+
+  def __init__(self):
+    self.ready = threading.Event()
+
+  def block_until_ready(self):
+    assert self.ready.wait(30), "never made ready"
+    return self
+
+
 def test_lines_wait_for_the_workdir_then_reach_the_file(tmp_path):
   """Nothing is written before `open` (a refused run leaves no events/); then every line is on
   disk as soon as it is recorded (a kill loses no step line)."""
@@ -162,13 +177,66 @@ def test_lines_wait_for_the_workdir_then_reach_the_file(tmp_path):
   ev.open()
   ev.step_start()
   ev.data_ready()
-  ev.step_end(1)
+  ev.dispatched(1, {"loss": jnp.zeros(())})
+  ev.wait_steps()
   ev.record("checkpoint", step=1, seconds=0.0, kind="permanent")
-  kinds = [x["event"] for x in goodput.read(tmp_path / "events" / "p0.jsonl")]
+  lines = goodput.read(tmp_path / "events" / "p0.jsonl")
+  kinds = [x["event"] for x in lines if x["event"] != "compile"]  # jnp.zeros' own
   assert kinds == ["start", "backend", "step", "checkpoint"]
   ev.close("finished")
   (start,) = [x for x in goodput.read(tmp_path / "events" / "p0.jsonl") if x["event"] == "start"]
   assert start["started"] <= start["t"] and len({start["attempt"]}) == 1
+
+
+def test_a_step_is_timed_from_the_previous_ones_end_to_its_outputs_ready(tmp_path):
+  """Steps dispatched ahead (as JAX does: the call returns at once) are recorded when their
+  outputs are ready: each from the previous step's end (or its own start, if later) to its own,
+  whenever it was dispatched; its data wait is only what the devices waited for its batch."""
+  ev = events.Events(str(tmp_path))
+  ev.open()
+  outs = {n: Output() for n in (1, 2, 3)}
+  for n in (1, 2):  # both dispatched at once; step 1 is done 0.2 s later, step 2 0.3 s after it
+    ev.step_start()
+    ev.data_ready()
+    ev.dispatched(n, {"loss": outs[n]})
+  time.sleep(0.2)
+  outs[1].ready.set()
+  time.sleep(0.3)
+  outs[2].ready.set()
+  ev.wait_steps()
+  # Step 3 begins with the devices idle and waits 0.1 s for its batch.
+  ev.step_start()
+  time.sleep(0.1)
+  ev.data_ready()
+  ev.dispatched(3, {"loss": outs[3]})
+  outs[3].ready.set()
+  ev.close("finished")
+  one, two, three = [
+    x for x in goodput.read(tmp_path / "events" / "p0.jsonl") if x["event"] == "step"
+  ]
+  assert [x["step"] for x in (one, two, three)] == [1, 2, 3]
+  for x in (one, two, three):  # seconds: from start to when the outputs were ready
+    assert x["start"] + x["seconds"] == pytest.approx(x["t"], abs=1e-6)
+    assert x["dispatched"] <= x["t"]
+  assert one["seconds"] >= 0.2 and two["seconds"] >= 0.3
+  assert one["data"] < 0.05 and two["data"] == 0.0  # two's batch came while one ran
+  assert two["start"] == one["t"] and two["dispatched"] < one["t"]  # queued behind step 1
+  assert three["start"] >= two["t"] and 0.1 <= three["data"] <= three["seconds"]
+  # Half a second of compute: the dispatch times (both within microseconds) said ~0.
+  assert one["seconds"] + two["seconds"] >= 0.5
+
+
+def test_a_failed_run_does_not_wait_for_a_step_that_never_ends(tmp_path):
+  ev = events.Events(str(tmp_path))
+  ev.open()
+  ev.step_start()
+  ev.data_ready()
+  ev.dispatched(1, {"loss": Output()})  # never ready (a hung collective, a device error)
+  t0 = time.monotonic()
+  ev.close("failed")
+  assert time.monotonic() - t0 < 5
+  kinds = [x["event"] for x in goodput.read(tmp_path / "events" / "p0.jsonl")]
+  assert kinds == ["start", "end"]
 
 
 def test_the_straggler_window_holds_each_steps_dispatch_time(tmp_path):
@@ -177,10 +245,11 @@ def test_the_straggler_window_holds_each_steps_dispatch_time(tmp_path):
   for n in (1, 2):
     ev.step_start()
     ev.data_ready()
-    ev.step_end(n)
+    ev.dispatched(n, {"loss": jnp.zeros(())})
   window = ev.take_window()
   assert len(window) == 2 and before <= window[0] <= window[1] <= time.time()
   assert ev.take_window() == []
+  ev.close("finished")
   events._listen(None)
 
 
@@ -248,9 +317,9 @@ def test_a_killed_and_rerun_run_names_the_steps_done_again(tmp_path):
   assert sorted(set(seen)) == list(range(1, 25)) and r["attempts"][0]["how"] == "killed"
   first, _ = goodput.attempts(goodput.read(os.path.join(workdir, "events", "p0.jsonl")))
   redone = [x for x in first if x["event"] == "step" and x["step"] > resumed]
-  # The events hold every step the killed attempt logged, but the one the kill may have landed
-  # between its metrics line and its events line.
-  assert [x["step"] for x in redone] in (repeated, repeated[:-1])
+  # The events hold every step the killed attempt logged (the loop waits for a step's events
+  # line before it writes its metrics line), and the one after if the kill landed between them.
+  assert [x["step"] for x in redone] in (repeated, repeated + [repeated[-1] + 1])
   assert r["steps_redone"] == len(redone)
   lost = sum(x["seconds"] - x["data"] for x in redone)
   assert r["badput_s"]["wasted"] == pytest.approx(lost, rel=1e-6)
@@ -281,3 +350,91 @@ def tensorboard_scalars(path) -> dict:
       for v in event.summary.value:
         out[v.tag] = v.simple_value
   return out
+
+
+# Trained in this process: step times that are the steps' own
+
+TIMED = {  # big enough that a step's compute, not its dispatch, sets its time
+  "train.steps": "24",
+  "train.log_every": "8",
+  "train.eval_every": "0",
+  "train.checkpoint_every": "100",
+  "train.batch_size": "16",
+  "data.seq_len": "64",
+}
+
+
+# Longer steps than TIMED's: the machine's hiccups (other work on its 2 cores) stand out less.
+STEADY = {"train.steps": "30", "train.log_every": "15", "data.seq_len": "128"}
+
+
+def trained(workdir, monkeypatch, inject="", **overrides) -> tuple[dict, list[dict], list[dict]]:
+  """Trains the smoke experiment with TIMED (and `overrides`) in this process: its goodput, its
+  logged lines, and its events."""
+  if inject:
+    monkeypatch.setenv(inject_env.ENV, inject)
+  else:
+    monkeypatch.delenv(inject_env.ENV, raising=False)
+  cfg = experiments.get_config(SMOKE, {**TIMED, **overrides})
+  trainer.train(cfg, str(workdir), progress=False)
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    logged = [json.loads(x) for x in f]
+  lines = goodput.read(os.path.join(workdir, "events", "p0.jsonl"))
+  return goodput.summary(str(workdir)), logged, lines
+
+
+@pytest.mark.slow
+def test_a_steady_runs_ideal_step_time_is_the_one_its_tokens_per_s_implies(
+  tmp_path, monkeypatch, capsys
+):
+  """The ideal step time is what the trainer's own throughput says a step takes (not the
+  dispatch's millisecond or two), few steps are anomalous, and the logged steps (where the loop
+  waits for the metrics, and the dispatch times put every step queued before) are not; `zoo
+  goodput --json` and TensorBoard carry these figures."""
+  r, logged, lines = trained(tmp_path / "run", monkeypatch, **STEADY)
+  tokens = int(TIMED["train.batch_size"]) * int(STEADY["data.seq_len"])
+  implied = np.median([tokens / x["tokens_per_s"] for x in logged[1:]])  # after the first window
+  st = r["step_time"]
+  assert st["steps"] >= 29  # (30 in this process, which compiled the step before the loop)
+  # Other work on the machine only adds to the wall time tokens_per_s divides (hiccups, a
+  # slower second window), so the ideal may fall below it, not far above.
+  assert 0.6 * implied <= st["ideal_s"] <= 1.25 * implied, (st, implied)
+  # Anomalous here: the first step (the program's first run), the one after the logged step
+  # (the devices idle while the loop logs and dispatches it), and the machine's hiccups.
+  assert st["anomalous"] <= st["steps"] // 3, st  # a third: this 2-core machine is shared
+  seconds = {x["step"]: x["seconds"] for x in lines if x["event"] == "step"}
+  assert seconds[15] < 2 * st["ideal_s"] and seconds[30] < 2 * st["ideal_s"], (seconds, st)
+  assert cli.main(["goodput", "--workdir", str(tmp_path / "run"), "--json"]) == 0
+  assert json.loads(capsys.readouterr().out)["step_time"] == st
+  scalars = tensorboard_scalars(tmp_path / "run" / "tensorboard")
+  assert scalars["goodput/step_time_ideal_s"] == pytest.approx(st["ideal_s"], rel=1e-6)
+  deviation = st["mean_abs_deviation_s"]
+  assert scalars["goodput/step_time_mean_abs_deviation_s"] == pytest.approx(deviation, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_step_stalled_inside_is_the_slow_one_not_its_eval_save_or_logged_step(
+  tmp_path, monkeypatch
+):
+  """Steps 12 and 20 stalled 1 s inside the compiled step (NNX_ZOO_INJECT=stall@...:1, a loop on
+  the device): they are the slow ones, the anomalous ones, and neither the evaluation at step 12
+  nor the save at step 20 (both waiting for the steps queued before them) nor the next logged
+  step (16, where the loop waits for the metrics) holds a stall. Nor do the steps dispatched
+  while a stall ran, as JAX dispatches ahead."""
+  stall = 1.0
+  r, _, lines = trained(
+    tmp_path / "run",
+    monkeypatch,
+    inject=f"stall@12:{stall},stall@20:{stall}",
+    **{"train.eval_every": "12", "train.eval_batches": "2", "train.checkpoint_every": "20"},
+  )
+  steps = {x["step"]: x["seconds"] for x in lines if x["event"] == "step"}
+  assert steps[12] >= stall / 2 and steps[20] >= stall / 2, steps
+  assert all(s < stall / 4 for n, s in steps.items() if n not in (1, 12, 20)), steps  # 1 compiles
+  assert r["step_time"]["anomalous"] >= 2
+  assert r["step_time"]["max_deviation_s"] == pytest.approx(
+    max(steps[12], steps[20]) - r["step_time"]["ideal_s"]
+  )
+  # Each holds its own work only: under half the stall it would hold waiting for the step.
+  (save,) = [x["seconds"] for x in lines if x["event"] == "checkpoint" and x["step"] == 20]
+  assert save < steps[20] / 2 and r["badput_s"]["eval"] < steps[12] / 2, r["badput_s"]

@@ -2,6 +2,7 @@
 $NNX_ZOO_INJECT, the watchdog thread (its limit, its dump, its progress file) and the supervisor
 on stand-in children (tests/faults/test_supervisor.py runs them together on real runs)."""
 
+import functools
 import json
 import os
 import signal
@@ -9,7 +10,11 @@ import sys
 import textwrap
 import threading
 import time
+import typing
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from nnx_zoo.common import supervisor
@@ -25,7 +30,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 
 
 def test_the_spec_parses_into_its_faults():
-  got = inject.parse("hang@5:p1, exit@3,exit@3:7,kill@4,stop@4:p0,slow@*:p1:0.5,slow@2:0.25")
+  got = inject.parse(
+    "hang@5:p1, exit@3,exit@3:7,kill@4,stop@4:p0,slow@*:p1:0.5,slow@2:0.25,stall@7:p0:1.5"
+  )
   assert got == [
     Fault("hang", 5, 1, None),
     Fault("exit", 3, None, None),
@@ -34,6 +41,7 @@ def test_the_spec_parses_into_its_faults():
     Fault("stop", 4, 0, None),
     Fault("slow", None, 1, 0.5),
     Fault("slow", 2, None, 0.25),
+    Fault("stall", 7, 0, 1.5),
   ]
   assert inject.parse("") == []
 
@@ -46,8 +54,9 @@ def test_the_spec_parses_into_its_faults():
     ("hang@", "is not a fault"),
     ("hang@x", "'x' is not a number"),
     ("hang@-1", "'-1' is not a number"),
-    ("hang@*", "only slow takes step *"),
+    ("hang@*", "only slow and stall take step *"),
     ("slow@*:p1", "slow needs its seconds"),
+    ("stall@3", "stall needs its seconds"),
     ("kill@3:5", "kill takes no argument"),
     ("exit@3:p1:2:3", "too many fields"),
     ("exit@3:px", "'x' is not a number"),
@@ -63,7 +72,7 @@ def test_a_fault_fires_on_its_process_once_per_workdir(tmp_path, monkeypatch):
   fired, slept = [], []
   monkeypatch.setattr(inject, "fire", lambda fault, **kw: fired.append((fault.name, kw)))
   monkeypatch.setattr(inject.time, "sleep", slept.append)
-  faults = inject.parse("exit@3:p1:7,kill@4,slow@*:p1:0.5")
+  faults = inject.parse("exit@3:p1:7,kill@4,slow@*:p1:0.5,stall@2:0.5")  # a stall fires nothing
   for process in (0, 1):
     for step in range(1, 6):
       inject.Injector(faults, workdir=str(tmp_path), process=process).at(step)
@@ -332,3 +341,38 @@ def test_the_process_index_and_the_last_checkpoint(tmp_path, monkeypatch):
   for name in ("2", "10", "12.orbax-checkpoint-tmp-5", "8.damaged"):
     (tmp_path / "checkpoints" / name).mkdir(parents=True)
   assert supervisor.latest_checkpoint(str(tmp_path)) == 10
+
+
+class ToyState(typing.NamedTuple):
+  step: jax.Array
+  x: jax.Array
+
+
+def test_a_stall_slows_its_step_inside_and_changes_no_output(tmp_path):
+  """stall@2: the step's outputs are late by about the stall, the other steps' are not, and every
+  output is the unstalled step's, bit for bit; without a stall the step is the same function."""
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step_fn(state, batch):
+    x = jnp.tanh(state.x * batch)
+    return ToyState(state.step + 1, x), {"loss": jnp.sum(x**2), "skipped": jnp.int32(0)}
+
+  plain = inject.Injector([], workdir=str(tmp_path), process=0)
+  assert plain.step_fn(step_fn) is step_fn
+  stalled = inject.Injector(inject.parse("stall@2:0.4"), workdir=str(tmp_path), process=0)
+  stalled_fn = stalled.step_fn(step_fn)
+  states = [ToyState(jnp.int32(0), jnp.linspace(-1.0, 1.0, 16)) for _ in range(2)]
+  for n in range(1, 4):
+    batch = jnp.float32(1.0 + n / 10)
+    t0 = time.perf_counter()
+    states[1], got = jax.block_until_ready(stalled_fn(states[1], batch))
+    seconds = time.perf_counter() - t0
+    states[0], want = step_fn(states[0], batch)
+    assert int(states[1].step) == n and got.keys() == want.keys()
+    pairs = zip(jax.tree.leaves((states[1], got)), jax.tree.leaves((states[0], want)), strict=True)
+    for a, b in pairs:
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if n == 2:
+      assert seconds >= 0.2, seconds
+    elif n == 3:  # (step 1 compiles)
+      assert seconds < 0.2, seconds
