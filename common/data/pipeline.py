@@ -663,6 +663,113 @@ def rollout_seed(example: dict, rng: np.random.Generator) -> dict:
   return {**example, "seed": rng.integers(0, 2**31, dtype=np.int32)}
 
 
+class PromptStream(grain.DatasetIterator):
+  """The training prompts of a grpo run (`data.format="prompts"`): the data's batches as the
+  trainer draws them, one a step, and the one place the task asks the data for more.
+
+  - `more()`: the next batch of prompts beyond the trainer's (dynamic sampling refills a batch
+    whose groups tied with them);
+  - `hold(arrays, draws)`: the trainer's next `draws` batches are its last one again (the
+    updates of one rollout, grpo.num_iterations), and `held` gives `arrays` (the rollout's rows)
+    while they last.
+
+  Its state (saved in every checkpoint, as any data iterator's) is the inner iterator's, the
+  state before the trainer's last batch (to draw it again on restore), the draws still to
+  repeat and, while some are, the held arrays: a run stopped between the updates of one rollout
+  resumes with that rollout, bit for bit. Those arrays are this process's rows, so such a step
+  resumes on the same number of processes (at a rollout's end, on any)."""
+
+  def __init__(self, inner: grain.DatasetIterator):
+    super().__init__(inner)
+    self._inner = inner
+    self._before = None  # the inner state before the trainer's last batch
+    self._last = None
+    self._repeats = 0  # trainer draws still to give the last batch again
+    self._repeating = False  # whether the trainer's current batch is a repeat
+    self._held = None
+
+  def __next__(self) -> dict:
+    if self._repeats:
+      self._repeats -= 1
+      self._repeating = True
+      return self._last
+    self._repeating, self._held = False, None
+    self._before = self._inner.get_state()
+    self._last = next(self._inner)
+    return self._last
+
+  def more(self) -> dict:
+    """The next batch of prompts (this process's share of it), beyond the trainer's."""
+    return next(self._inner)
+
+  def hold(self, arrays: dict, draws: int):
+    """The trainer's next `draws` batches repeat its last one; `held` is `arrays` for them."""
+    self._held, self._repeats = arrays, int(draws)
+
+  @property
+  def held(self) -> dict | None:
+    """The arrays `hold` kept, while the trainer's current batch is a repeat; else None."""
+    return self._held if self._repeating else None
+
+  def get_state(self) -> dict:
+    state = {
+      "inner": self._inner.get_state(),
+      "before": self._before,
+      "repeats": self._repeats,
+      "repeating": self._repeating,
+      "processes": jax.process_count(),
+      "process": jax.process_index(),
+    }
+    keep = self._repeats > 0 or (self._repeating and self._held is not None)
+    state["held"] = _encode(self._held) if keep and self._held is not None else None
+    return state
+
+  def set_state(self, state: dict):
+    if "inner" not in state:  # an iterator state saved before this stream (its inner's own)
+      state = {"inner": state, "before": None, "repeats": 0, "repeating": False, "held": None}
+    self._last = None
+    if state["before"] is not None:
+      self._inner.set_state(state["before"])
+      self._last = next(self._inner)
+    self._inner.set_state(state["inner"])
+    self._before, self._repeats = state["before"], int(state["repeats"])
+    self._repeating = bool(state["repeating"])
+    self._held = None if state["held"] is None else _decode(state["held"])
+    if self._held is not None and (
+      state["processes"] != jax.process_count() or state["process"] != jax.process_index()
+    ):
+      raise UserError(
+        f"This step was saved between the updates of one rollout by process "
+        f"{state['process']} of {state['processes']}; it holds that process's rows: resume it "
+        "on as many processes, or from a step at a rollout's end (a multiple of "
+        "grpo.num_iterations)."
+      )
+
+  def start_prefetch(self):
+    if hasattr(self._inner, "start_prefetch"):
+      self._inner.start_prefetch()
+
+
+def _encode(arrays: dict) -> dict:
+  """Arrays as JSON: each one's dtype, shape and bytes (base64)."""
+  import base64
+
+  out = {}
+  for k, v in arrays.items():
+    v = np.ascontiguousarray(v)
+    out[k] = {"dtype": v.dtype.str, "shape": list(v.shape), "b64": base64.b64encode(v).decode()}
+  return out
+
+
+def _decode(encoded: dict) -> dict:
+  import base64
+
+  return {
+    k: np.frombuffer(base64.b64decode(e["b64"]), np.dtype(e["dtype"])).reshape(e["shape"]).copy()
+    for k, e in encoded.items()
+  }
+
+
 def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Data:
   """The tokenized rows of `load_split`: shuffled batches to train on, the held-out ones."""
   tokenizer = tokenizers.load(cfg.data.tokenizer)
@@ -679,6 +786,8 @@ def load(cfg, *, train: bool, batch_size: int, share: slice | None) -> kinds.Dat
     rows = load_split(cfg.data, "train", tokenizer, replier=replier)
     draw = rollout_seed if cfg.data.format == "prompts" else None
     iterator = train_iterator(rows, batch_size=batch_size, seed=cfg.seed, share=share, draw=draw)
+    if cfg.data.format == "prompts":  # the grpo task draws more prompts and repeats batches
+      iterator = PromptStream(iterator)
   held_out = load_split(cfg.data, "eval", tokenizer, replier=replier)
   pairs = 2 if cfg.data.format == "preference" else 1  # a row of preference data is two
   return kinds.Data(iterator, held_out, eval_batches, pairs * cfg.data.seq_len)

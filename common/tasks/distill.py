@@ -400,23 +400,36 @@ class Distill(tasks.Task):
     its rows' prompts, with the teacher's params."""
     if not self.s.lmbda:
       return self.complete(batch, params)
-    host = {k: np.asarray(jax.device_get(batch[k])) for k in ("tokens", "segment_ids")}
+    from nnx_zoo.common.tasks import grpo
+
+    # This process's rows (several processes: each samples its own, on a whole copy of the
+    # weights, as the grpo task does); the draw is the global batch's, alike on every process.
+    host = {k: grpo.local_rows(batch[k]) for k in ("tokens", "segment_ids")}
     weights = batch.get("loss_weights")
     host["loss_weights"] = (
-      np.asarray(jax.device_get(weights)) if weights is not None else host["segment_ids"] > 0
+      grpo.local_rows(weights) if weights is not None else host["segment_ids"] > 0
     )
-    draw = on_policy_draw(host["tokens"], self._seed)
+    draw = on_policy_draw(grpo.gather(host["tokens"]), self._seed)
     on_policy = draw.random() < self.s.lmbda
     self._metrics.setdefault("on_policy", []).append(float(on_policy))
     if not on_policy:
       return self.complete(batch, params)
-    rows, kept = self._replies(host, params, seed=int(draw.integers(2**31)))
-    self._metrics.setdefault("reply_length", []).append(float(kept.mean()))
+    sizes = grpo.gather(np.asarray([len(host["tokens"])]))
+    first = int(sizes[: jax.process_index()].sum())  # this process's first row in the batch
+    rows, kept = self._replies(
+      host, grpo.whole_here(params), seed=int(draw.integers(2**31)), first_row=first
+    )
+    if jax.process_count() > 1:
+      total, count = grpo.gather(np.asarray([[kept.sum(), len(kept)]], np.float64)).sum(0)
+      self._metrics.setdefault("reply_length", []).append(float(total / max(count, 1)))
+    else:
+      self._metrics.setdefault("reply_length", []).append(float(kept.mean()))
     return self.complete(self._place(rows), params)
 
-  def _replies(self, host, params, *, seed: int):
+  def _replies(self, host, params, *, seed: int, first_row: int = 0):
     """Rows [B, L]: each row's prompt (its tokens before the first weighted target of its first
-    segment) and the student's reply, cut after its end of turn; and each reply's length."""
+    segment) and the student's reply, cut after its end of turn; and each reply's length.
+    Row b is the batch's row first_row + b (its key: fold_in(key(seed), first_row + b))."""
     from nnx_zoo.common.tasks import grpo
 
     tokens, segments, weights = host["tokens"], host["segment_ids"], host["loss_weights"]
@@ -428,7 +441,8 @@ class Distill(tasks.Task):
     valid = (lengths > 0) & (lengths <= P)
     lengths = np.where(valid, lengths, 1)  # a row with no prompt that fits: sampled, not trained
     prompts = np.where(np.arange(P) < lengths[:, None], tokens[:, :P], 0).astype(np.int32)
-    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(seed), jnp.arange(B))
+    rows_B = jnp.arange(first_row, first_row + B)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(seed), rows_B)
     out = engine.continue_rows(
       params, prompts, lengths, keys, prefill=int(lengths.min()), **self._sampling
     )
@@ -449,11 +463,11 @@ class Distill(tasks.Task):
     return rows, kept[valid] if valid.any() else np.zeros(1)
 
   def _place(self, arrays: dict) -> dict:
-    """Host arrays as the step takes them: split over the batch axes of the mesh."""
-    if self._layout is None:
-      return {k: jnp.asarray(v) for k, v in arrays.items()}
-    sharding = parallel.NamedSharding(self._layout.mesh, self._layout.batch_spec)
-    return {k: jax.device_put(v, sharding) for k, v in arrays.items()}
+    """This process's host rows as the step takes them: split over the batch axes of the mesh
+    (the grpo task's `place_rows`)."""
+    from nnx_zoo.common.tasks import grpo
+
+    return grpo.place_rows(arrays, self._layout)
 
   def step_metrics(self) -> dict:
     """On-policy runs: the share of batches sampled by the student, their mean reply length."""

@@ -26,9 +26,55 @@ memory of its docs: check yours; "grpo" is the paper's), scale_rewards "group" (
 the group, unbiased; "batch": of the whole batch; "none": no division, Dr. GRPO), beta 0 (no
 reference), epsilon 0.2, temperature 1, no top-k or top-p, num_iterations 1: the policy that
 sampled is the one being trained, so pi_old is the current policy detached and the ratio is
-exactly 1 (its gradient is A * grad log pi); the clipped form is kept, and a batch that carries
-`old_logps` (several updates on one rollout, not done yet) is clipped against them. The KL and
-the share of clipped tokens are measured in the step and logged (`kl`, `clip_ratio`).
+exactly 1 (its gradient is A * grad log pi). The KL and the share of clipped tokens are
+measured in the step and logged (`kl`, `clip_ratio`).
+
+The levers (TRL's names where TRL has them; each default keeps the step above, bit for bit):
+- `num_iterations` (mu): each rollout trains `mu` updates, and a step is one update (TRL's
+  count): steps 1..mu share rollout 1. pi_old is the trainer's own log-probs on the rollout's
+  weights (`old_logps`, one forward pass as the rollout is made, as TRL takes them), so update 1's
+  ratio is 1 and the later ones' are not. The rollout's rows ride in the prompts' stream
+  (common/data/pipeline.py `PromptStream.hold`), whose state every checkpoint saves: a run
+  stopped between the updates of one rollout resumes with that rollout, bit for bit (on as many
+  processes: the rows are each process's own). The trainer's draws on updates 2..mu repeat the
+  batch and take no prompts.
+- `epsilon_high` (DAPO's clip-higher): clip(ratio, 1 - epsilon, 1 + epsilon_high); 0: epsilon.
+- `importance_sampling_level` "sequence" (GSPO, arXiv 2507.18071): one ratio a completion,
+  exp(mean over its tokens of log pi - log pi_old), clipped and weighted as a token's is.
+- `filter_tied_groups` (DAPO's dynamic sampling; verl's filter_groups): a group whose rewards
+  all tie (advantages 0) is dropped and the batch refilled with the groups of more prompts, drawn
+  from the same stream (`PromptStream.more`: its state is the iterator's, so a resumed run draws
+  the same), in at most `filter_max_rounds` rounds of sampling a step (the step's own batch the
+  first). A batch still short trains on what it has, its other rows empty (no loss), and the
+  line says so (`unfilled_groups`); `sampling_rounds` and `sampled_prompts` say what it cost.
+  On several processes each fills its own share, and the processes agree on the rounds (one
+  more while any is short): the batch then depends on the number of processes.
+- `sampler_correction` (TRL's vllm_importance_sampling_correction, mode token_truncate or
+  token_mask, cap `sampler_correction_cap`, 3 as TRL): the rollouts carry the sampler's
+  log-prob q of each token (the engine's, SamplingParams(logprobs=0)); each token's loss is
+  weighted by w = min(p / q, cap) ("token_truncate", truncated importance sampling) or by p / q
+  and 0 above the cap ("token_mask"), p the trainer's log-probs on the rollout's weights. The
+  mismatch is logged as KL(q || p) by k3 over the sampled tokens, `sampler_kl`, with the share
+  of tokens above the cap, `sampler_capped`. Where the sampler differs from the trainer:
+  `sampler_dtype` "bfloat16" samples with a bf16 copy of the weights computing in bf16 (a
+  sampler dtype alone logs the mismatch without correcting it). The engine's log-probs are
+  its logits' own, so the correction needs temperature 1 and no top-k or top-p.
+- `soft_punish_cache` (DAPO's soft overlong punishment, beside `truncated`, its overlong
+  filtering): a completion of |y| tokens past max_new_tokens - cache loses
+  soft_punish_factor x (|y| - (max_new_tokens - cache)) / cache of reward (all of it at
+  max_new_tokens), in training only (the held-out reward is the functions').
+
+In full, with w_t the sampler correction's weight (1 without) and s_i the sequence ratio:
+
+    ratio_i,t = exp(logp - old)              ("token")   or   s_i = exp(mean_t(logp - old))
+    loss_i,t  = -min(ratio A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) A_i) w_t
+                + beta KL_i,t
+
+Several processes: each samples, scores and weighs its own prompts' groups (a group stays on
+the process that holds its prompt's row), with a whole copy of the weights on its first device
+(gathered from the mesh each rollout), and gives its rows to the step, which is the trainer's;
+`scale_rewards="batch"` takes the std of every process's rewards, the rows widen to the widest
+process's, and the logged rewards are every process's.
 
 Where this differs from TRL:
 - group_size 4 (TRL's num_generations 8) and max_new_tokens 64 (TRL 256): sized for a CPU.
@@ -59,6 +105,7 @@ mean `reward` (the weighted sum), each function's, the completion length and the
 truncated; `loss` is the negative mean reward.
 """
 
+import math
 import time
 
 import jax
@@ -76,6 +123,9 @@ from nnx_zoo.common.tasks import rewards as rewards_lib
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALES = ("group", "batch", "none")
 TRUNCATED = ("mask", "penalize", "keep")
+LEVELS = ("token", "sequence")
+CORRECTIONS = ("none", "token_truncate", "token_mask")
+SAMPLER_DTYPES = ("", "float32", "bfloat16", "float16")
 
 
 def config(**kw) -> ml_collections.ConfigDict:
@@ -96,6 +146,24 @@ def config(**kw) -> ml_collections.ConfigDict:
     # "penalize" (its reward is truncated_reward) or "keep".
     "truncated": "mask",
     "truncated_reward": -1.0,
+    # The levers (TRL's names where TRL has them); each default keeps the plain GRPO step.
+    "num_iterations": 1,  # updates on each rollout (TRL's mu); a step is one update
+    "epsilon_high": 0.0,  # the ratio's upper clip (DAPO's clip-higher: 0.28); 0: epsilon
+    "importance_sampling_level": "token",  # "sequence": GSPO's one ratio a completion
+    # Dynamic sampling (DAPO; verl's filter_groups): groups whose rewards all tie are dropped
+    # and the batch refilled with more prompts, in at most filter_max_rounds rounds a step.
+    "filter_tied_groups": False,
+    "filter_max_rounds": 4,
+    # The sampler's weights: "" the params as they are, "bfloat16" (or "float16") a copy cast.
+    "sampler_dtype": "",
+    # Sampler/trainer mismatch: "none", "token_truncate" (truncated importance sampling: each
+    # token's loss times min(p_trainer / p_sampler, cap)) or "token_mask" (0 above the cap).
+    "sampler_correction": "none",
+    "sampler_correction_cap": 3.0,
+    # DAPO's soft overlong punishment: 0 off; else the last soft_punish_cache tokens before
+    # max_new_tokens cost up to soft_punish_factor of reward, linearly.
+    "soft_punish_cache": 0,
+    "soft_punish_factor": 1.0,
   }
   unknown = set(kw) - set(cfg)
   if unknown:
@@ -111,17 +179,102 @@ def token_logps(model, batch: dict, temperature: float = 1.0) -> jax.Array:
   return -parallel.cross_entropy(logits.astype(jnp.float32) / temperature, rows["targets"])
 
 
-def advantages(rewards_R: np.ndarray, group_size: int, scale: str = "group") -> np.ndarray:
+def advantages(
+  rewards_R: np.ndarray, group_size: int, scale: str = "group", *, batch_std: float | None = None
+) -> np.ndarray:
   """Each completion's reward against its group's mean (the rows of a group side by side), over
-  the group's (or the batch's) unbiased standard deviation + 1e-4, or not scaled."""
+  the group's (or the batch's) unbiased standard deviation + 1e-4, or not scaled. `batch_std`:
+  the batch's, where the batch is more than these rows (every process's, `scale="batch"`)."""
   grouped = rewards_R.reshape(-1, group_size)
   centred = (grouped - grouped.mean(axis=1, keepdims=True)).reshape(-1)
   if scale == "group":
     std = np.repeat(grouped.std(axis=1, ddof=1) if group_size > 1 else 0.0, group_size)
     return centred / (std + 1e-4)
   if scale == "batch":
-    return centred / (rewards_R.std(ddof=1) + 1e-4)
+    return centred / ((rewards_R.std(ddof=1) if batch_std is None else batch_std) + 1e-4)
   return centred
+
+
+def soft_overlong(length_R: np.ndarray, max_new_tokens: int, cache: int) -> np.ndarray:
+  """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13) of completions of `length_R`
+  tokens, at most max_new_tokens (L_max): 0 up to L_max - cache, then falling linearly to -1 at
+  L_max."""
+  start = max_new_tokens - cache
+  return np.where(length_R <= start, 0.0, (start - length_R) / max(cache, 1)).clip(-1.0, 0.0)
+
+
+def uses_sampler_logps(s) -> bool:
+  """Whether the rollouts carry the sampler's log-probabilities of their tokens (the mismatch
+  correction, or a sampler in another dtype, whose mismatch is logged): only where they are
+  those of the distribution that drew the tokens (temperature 1, no top-k or top-p; the
+  engine's log-probabilities are the logits' own)."""
+  plain = s.temperature == 1.0 and not s.top_k and s.top_p >= 1.0
+  return s.sampler_correction != "none" or (bool(s.sampler_dtype) and plain)
+
+
+# Several processes: each samples, scores and weighs its own prompts' groups; these move what
+# must be shared.
+
+
+def gather(x: np.ndarray) -> np.ndarray:
+  """Every process's `x` [n, ...] (the same shape on each), concatenated in process order (the
+  batch's row order): `x` itself in one process."""
+  if jax.process_count() == 1:
+    return x
+  from jax.experimental import multihost_utils
+
+  return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True))
+
+
+def local_rows(x) -> np.ndarray:
+  """This process's rows of a batch array (placed over the mesh's batch axes): the whole array
+  in one process; else the rows its devices hold, each once, in order."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return np.asarray(jax.device_get(x))
+  blocks = {}
+  for shard in x.addressable_shards:
+    blocks.setdefault(shard.index[0].start or 0, shard)
+  return np.concatenate([np.asarray(blocks[k].data) for k in sorted(blocks)])
+
+
+_WHOLE: dict = {}
+
+
+def whole_here(params):
+  """The weights as one process samples with them: across processes, a whole copy on this
+  process's first device (gathered from wherever the mesh keeps them); in one process, as
+  they are."""
+  if jax.process_count() == 1:
+    return params
+  leaves, treedef = jax.tree.flatten(params)
+  shardings = tuple(
+    parallel.NamedSharding(x.sharding.mesh, parallel.P())
+    if isinstance(getattr(x, "sharding", None), parallel.NamedSharding)
+    else None
+    for x in leaves
+  )
+  key = (treedef, shardings, tuple((x.shape, str(x.dtype)) for x in leaves))
+  if key not in _WHOLE:
+    _WHOLE[key] = jax.jit(lambda *xs: xs, out_shardings=shardings)
+  gathered = _WHOLE[key](*leaves)
+  return jax.tree.unflatten(treedef, [x.addressable_data(0) for x in gathered])
+
+
+def place_rows(arrays: dict, layout) -> dict:
+  """Host rows as the step takes them, split over the batch axes of the mesh: each process
+  gives its own rows (`parallel.process_block`), which together are the global batch."""
+  if layout is None:
+    return {k: jnp.asarray(v) for k, v in arrays.items()}
+  sharding = parallel.NamedSharding(layout.mesh, layout.batch_spec)
+  if jax.process_count() == 1:
+    return {k: jax.device_put(v, sharding) for k, v in arrays.items()}
+  shards = math.prod(layout.sizes[a] for a in parallel.BATCH_AXES)
+  held = parallel.process_block(layout, layout.batch_spec, (shards,))[0]
+  out = {}
+  for k, v in arrays.items():
+    shape = (len(v) * shards // (held.stop - held.start), *v.shape[1:])
+    out[k] = jax.make_array_from_process_local_data(sharding, v, shape)
+  return out
 
 
 def end_of(new: np.ndarray, stops: list[np.ndarray]) -> tuple[int, int] | None:
@@ -144,6 +297,26 @@ def rows_width(longest: int, seq_len: int) -> int:
   return min(engine.bucket(max(longest, 1), minimum=engine.PROMPT_BUCKET), seq_len)
 
 
+def sampler_rows(logps_RN: np.ndarray, lengths_R: np.ndarray, width: int) -> np.ndarray:
+  """The sampler's log-probs of each row's new tokens [R, N] laid as `token_logps` lays the
+  trainer's, [R, width - 1]: new token j of row r (at position lengths_R[r] + j) at index
+  lengths_R[r] + j - 1."""
+  R, N = logps_RN.shape
+  out = np.zeros((R, width - 1), np.float32)
+  for r in range(R):
+    if lengths_R[r] > 0:
+      out[r, lengths_R[r] - 1 : lengths_R[r] - 1 + N] = logps_RN[r]
+  return out
+
+
+def widen(rows: dict, width: int) -> dict:
+  """Training rows [R, L] (and [R, L - 1]) padded on the right to `width` tokens: nothing."""
+  extra = width - rows["tokens"].shape[1]
+  if extra <= 0:
+    return rows
+  return {k: np.pad(v, ((0, 0), (0, extra))) if v.ndim == 2 else v for k, v in rows.items()}
+
+
 class GRPO(tasks.Task):
   name = "grpo"
 
@@ -163,12 +336,31 @@ class GRPO(tasks.Task):
     rows = losses.next_token_rows(batch)
     w = rows["weights"]  # [R, L - 1]: the completion's tokens as targets
     logp = token_logps(model, batch, s.temperature)
+    # The trainer's log-probs on the rollout's weights: the batch's (num_iterations > 1, taken
+    # as the rollout was made), else the current ones detached (the same weights).
     old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logp)
-    ratio = jnp.exp(logp - old)
+    log_ratio = logp - old
+    if s.importance_sampling_level == "sequence":  # GSPO: a completion's mean log-ratio
+      length = jnp.maximum(jnp.sum(w, axis=1, keepdims=True), 1.0)
+      log_ratio = jnp.sum(log_ratio * w, axis=1, keepdims=True) / length
+    ratio = jnp.exp(log_ratio)
     a = batch["advantages"][:, None]
-    clipped = jnp.clip(ratio, 1 - s.epsilon, 1 + s.epsilon)
+    clipped = jnp.clip(ratio, 1 - s.epsilon, 1 + (s.epsilon_high or s.epsilon))
     per_token = -jnp.minimum(ratio * a, clipped * a)
     tokens = jnp.maximum(jnp.sum(w), 1.0)
+    if "sampler_logps" in batch:
+      # The sampler's tokens under the trainer (p) and the sampler (q): KL(q || p) by k3 over
+      # q's samples, and the correction's weight p / q (TRL's vllm_importance_sampling_*).
+      d = old - batch["sampler_logps"]
+      aux.add("sampler_kl", jnp.sum((jnp.exp(d) - d - 1) * w) / tokens, weight=0.0)
+      if s.sampler_correction != "none":
+        is_ratio, cap = jnp.exp(d), s.sampler_correction_cap
+        if s.sampler_correction == "token_truncate":
+          is_weight = jnp.minimum(is_ratio, cap)
+        else:  # token_mask
+          is_weight = jnp.where(is_ratio > cap, 0.0, is_ratio)
+        aux.add("sampler_capped", jnp.sum((is_ratio > cap) * w) / tokens, weight=0.0)
+        per_token = per_token * jax.lax.stop_gradient(is_weight)
     if s.beta:
       d = batch["reference"] - logp
       kl = jnp.exp(d) - d - 1
@@ -213,8 +405,10 @@ class GRPO(tasks.Task):
     R, L = cfg.train.batch_size * s.group_size, cfg.data.seq_len + s.max_new_tokens
     shapes = tasks.token_rows(R, L)
     shapes.update(loss_weights=((R, L), np.float32), advantages=((R,), np.float32))
-    if s.beta:
-      shapes["reference"] = ((R, L - 1), np.float32)
+    for key, wanted in (("reference", s.beta), ("old_logps", s.num_iterations > 1),
+                        ("sampler_logps", uses_sampler_logps(s))):  # fmt: skip
+      if wanted:
+        shapes[key] = ((R, L - 1), np.float32)
     return shapes
 
   # Set-up
@@ -230,11 +424,31 @@ class GRPO(tasks.Task):
         "The grpo task samples completions of prompts: set --config.data.format=prompts (it is "
         f"{cfg.data.format!r})."
       )
-    s = cfg.grpo
+    s = config(**cfg.grpo.to_dict())  # a section saved before a key: its default
     for key, known in (("loss_type", LOSS_TYPES), ("scale_rewards", SCALES),
-                       ("truncated", TRUNCATED)):  # fmt: skip
+                       ("truncated", TRUNCATED), ("importance_sampling_level", LEVELS),
+                       ("sampler_correction", CORRECTIONS),
+                       ("sampler_dtype", SAMPLER_DTYPES)):  # fmt: skip
       if s[key] not in known:
-        raise UserError(f"Unknown grpo.{key} {s[key]!r}: use one of {', '.join(known)}.")
+        shown = ", ".join(repr(k) for k in known)
+        raise UserError(f"Unknown grpo.{key} {s[key]!r}: use one of {shown}.")
+    for key, least in (("num_iterations", 1), ("filter_max_rounds", 1),
+                       ("soft_punish_cache", 0)):  # fmt: skip
+      if s[key] < least:
+        raise UserError(f"grpo.{key}={s[key]}: give {least} or more.")
+    if s.soft_punish_cache > s.max_new_tokens:
+      raise UserError(
+        f"grpo.soft_punish_cache={s.soft_punish_cache} is more than max_new_tokens="
+        f"{s.max_new_tokens}: the punishment's window is the last tokens before max_new_tokens."
+      )
+    if s.sampler_correction != "none":
+      if s.sampler_correction_cap <= 0:
+        raise UserError(f"grpo.sampler_correction_cap={s.sampler_correction_cap}: give > 0.")
+      if s.temperature != 1.0 or s.top_k or s.top_p < 1.0:
+        raise UserError(
+          "grpo.sampler_correction weighs each token by p_trainer / p_sampler, and the engine's "
+          "log-probabilities are its logits' own: set grpo.temperature=1, top_k=0, top_p=1."
+        )
     if s.group_size < 2:
       raise UserError(
         f"grpo.group_size={s.group_size}: a group needs 2 completions or more, its advantages "
@@ -258,16 +472,36 @@ class GRPO(tasks.Task):
     if self._tokenizer.eos_id is not None:
       self._stops.append(np.asarray([self._tokenizer.eos_id]))
     self._layout = layout
+    # The training prompts, as the trainer draws them: the task draws more (dynamic sampling)
+    # and keeps a rollout for its updates (num_iterations) through them (`PromptStream`).
+    from nnx_zoo.common.data import pipeline
+
+    self._stream = data.iterator if isinstance(data.iterator, pipeline.PromptStream) else None
+    if self._stream is None and (s.num_iterations > 1 or s.filter_tied_groups):
+      raise UserError(
+        "grpo.num_iterations > 1 and grpo.filter_tied_groups draw on the prompts' stream of "
+        f"data.format=prompts, which data.kind={cfg.data.kind!r} does not give."
+      )
     # Each split's records (their fields reach the rewards by the index each row carries): the
     # held-out split's from `data`; the training split's, which the data kind hands the trainer
     # as an iterator only, read again on the first training step.
     self._splits = {} if data.eval is None else {"eval": data.eval}
     self._data_cfg = cfg.data
     graphdef = nnx.graphdef(models.abstract(cfg.model))
+    # The sampler's model: the run's, or (grpo.sampler_dtype) the same computing in that dtype.
+    sampler_graphdef = graphdef
+    if s.sampler_dtype:
+      model_cfg = ml_collections.ConfigDict(cfg.model.to_dict())
+      model_cfg.dtype = model_cfg.param_dtype = s.sampler_dtype
+      sampler_graphdef = nnx.graphdef(models.abstract(model_cfg))
     # The sampler ends early once every row has written a one-token stop (HF templates' end of
     # turn, the end token): the rest of the rows is cut away here anyway.
     single = tuple(sorted({int(stop[0]) for stop in self._stops if len(stop) == 1}))
-    self._sampling = dict(graphdef=graphdef, max_new_tokens=s.max_new_tokens, stop_ids=single)
+    self._sampling = dict(
+      graphdef=sampler_graphdef, max_new_tokens=s.max_new_tokens, stop_ids=single
+    )
+    temperature = float(s.temperature)
+    self._trainer_logps = jax.jit(lambda p, b: token_logps(nnx.merge(graphdef, p), b, temperature))
     self._reference = None
     if s.beta:
       if not cfg.init_from:
@@ -276,8 +510,6 @@ class GRPO(tasks.Task):
           "set --config.init_from (or grpo.beta=0, no reference)."
         )
       self._reference = reference.Reference(cfg, layout)
-      temperature = float(s.temperature)
-      self._ref_logps = jax.jit(lambda p, b: token_logps(nnx.merge(graphdef, p), b, temperature))
     self._since = None
     return self
 
@@ -291,19 +523,64 @@ class GRPO(tasks.Task):
     rows = self._splits[split]
     return rows.records, max(int(rows.packed["segment_ids"].sum(axis=1).min()), 1)
 
+  def _sampler_params(self, params):
+    """The weights the sampler runs on: the params (a whole copy on this process's device
+    across processes), cast to grpo.sampler_dtype if set."""
+    params = whole_here(params)
+    dtype = self.s.sampler_dtype
+    if not dtype:
+      return params
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.tree.map(cast, params)
+
   def _rollouts(self, params, prompts_RP, lengths_R, keys_R, *, split: str):
-    """[R, P + N]: each row's prompt and its completion, sampled (training) or greedy (the
-    sampler's one loop, through `engine.continue_rows`)."""
+    """(out [R, P + N], logps [R, N] or None): each row's prompt and its completion, sampled
+    (training) or greedy (through the engine, `engine.continue_rows`); with the sampler's
+    log-probability of each new token where the run takes them (`uses_sampler_logps`)."""
     s = self.s
     _, prefill = self._split(split)
     if split == "train":
       options = dict(temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p))
     else:
       options = dict(temperature=0.0)
-    out = engine.continue_rows(
-      params, prompts_RP, lengths_R, keys_R, prefill=prefill, **self._sampling, **options
+    if split != "train" or not uses_sampler_logps(s):
+      out = engine.continue_rows(
+        params, prompts_RP, lengths_R, keys_R, prefill=prefill, **self._sampling, **options
+      )
+      return np.asarray(jax.device_get(out)), None
+    return self._rollouts_with_logps(params, prompts_RP, lengths_R, keys_R, **options)
+
+  def _rollouts_with_logps(self, params, prompts_RP, lengths_R, keys_R, **options):
+    """`engine.continue_rows`'s static batch on the same engine (a slot a row, the same
+    programs, so the same tokens), with each new token's log-probability (SamplingParams'
+    logprobs=0)."""
+    prompts_RP = np.asarray(prompts_RP, np.int32)
+    lengths_R = np.asarray(lengths_R, np.int32)
+    R, P = prompts_RP.shape
+    N, graphdef = self._sampling["max_new_tokens"], self._sampling["graphdef"]
+    stops = engine.stop_tuple(self._sampling["stop_ids"])
+    fill = stops[0] if stops else 0
+    out = np.full((R, P + N), fill, np.int32)
+    out[:, :P] = np.where(np.arange(P) < lengths_R[:, None], prompts_RP, fill)
+    logps = np.zeros((R, N), np.float32)
+    length = max(engine.MIN_CACHE, 1 << (P + N - 1).bit_length())
+    eng = engine.Engine(
+      (graphdef, params), slots=R, max_len=length, prefill_chunk=1024, check_memory=False
     )
-    return np.asarray(jax.device_get(out))
+    sampling = engine.SamplingParams(N, stop_ids=stops, logprobs=0, **options)
+    rows, done = {}, np.zeros(R, np.int64)
+    for r in range(R):
+      if lengths_R[r] > 0:
+        rows[eng.submit(prompts_RP[r, : lengths_R[r]], sampling, key=keys_R[r])] = r
+    while eng.busy:
+      for got in eng.step():
+        r, n = rows[got.rid], len(got.tokens)
+        if n:
+          at = lengths_R[r] + done[r]
+          out[r, at : at + n] = got.tokens
+          logps[r, done[r] : done[r] + n] = got.logprobs
+          done[r] += n
+    return out, logps
 
   # Before each step: the rollouts
 
@@ -313,41 +590,112 @@ class GRPO(tasks.Task):
     start = time.perf_counter()
     jax.block_until_ready(params)  # the previous step's update: training time, not sampling
     ready = time.perf_counter()
-    training, lengths_R, out = self._rollout(batch, params)
-    sampled = time.perf_counter()
-    G = self.s.group_size if training else 1
-    index_R = np.repeat(np.asarray(jax.device_get(batch["index"])), G)
-    rows, scored, _ = self._score(out, lengths_R, index_R, lengths_R > 0, training)
-    rewarded = time.perf_counter()
-    if not training:
+    if "seed" not in batch:  # held out: each prompt once, greedy
+      host = {k: local_rows(batch[k]) for k in ("tokens", "segment_ids", "index")}
+      lengths_R, out, _ = self._rollout(host, whole_here(params), training=False)
+      _, scored, _ = self._score(out, lengths_R, host["index"], lengths_R > 0, False)
       return {**batch, **self._place(scored)}
-    rows["advantages"] = advantages(scored["reward"], G, self.s.scale_rewards).astype(np.float32)
+    held = None if self._stream is None else self._stream.held
+    if held is not None:  # another update on the rollout the last step made (num_iterations)
+      return self._place(held)
+    times = {"sample_s": 0.0, "reward_s": 0.0}
+    rows, scored, info = self._fill(batch, params, times)
     rows = self._place(rows)
+    if self.s.num_iterations > 1:
+      # The ratio's denominator: the trainer's log-probs on the rollout's weights, as TRL takes
+      # them; the rows and these ride in the prompts' stream until the rollout's last update.
+      rows["old_logps"] = self._trainer_logps(params, rows)
     if self.s.beta:
-      rows["reference"] = self._ref_logps(self._reference.params(params), rows)
-    self._log(scored, train_s=ready - (self._since or start), sample_s=sampled - ready,
-              reward_s=rewarded - sampled)  # fmt: skip
+      rows["reference"] = self._trainer_logps(self._reference.params(params), rows)
+    if self.s.num_iterations > 1:
+      held = {k: local_rows(v) for k, v in rows.items()}
+      self._stream.hold(held, self.s.num_iterations - 1)
+    self._log(scored, train_s=ready - (self._since or start), **times, **info)
     self._since = time.perf_counter()
     return rows
 
-  def _rollout(self, batch, params):
-    """(training, lengths_R, out [R, P + N]): a training batch's prompts (it carries their
+  def _fill(self, batch, params, times):
+    """(rows, scored, info): this process's rows of the training batch (its prompts' groups,
+    sampled, scored and weighed), what every process sampled (scored, for the log) and, under
+    grpo.filter_tied_groups, the rounds it took. Dynamic sampling draws more prompts from the
+    stream until each process has its share of groups whose rewards do not all tie, or
+    filter_max_rounds rounds have run (every process runs as many); a batch still short trains
+    on what it has, the rest of its rows empty."""
+    s, G = self.s, self.s.group_size
+    host = {k: local_rows(batch[k]) for k in ("tokens", "segment_ids", "index", "seed")}
+    B = len(host["index"])  # this process's prompts
+    sampler = self._sampler_params(params)
+    parts, kept = [], []
+    while True:
+      t0 = time.perf_counter()
+      lengths_R, out, logps = self._rollout(host, sampler, training=True)
+      t1 = time.perf_counter()
+      index_R = np.repeat(host["index"], G)
+      rows, scored, _ = self._score(out, lengths_R, index_R, lengths_R > 0, True)
+      if logps is not None:
+        rows["sampler_logps"] = sampler_rows(logps, lengths_R, out.shape[1])
+      times["sample_s"] += t1 - t0
+      times["reward_s"] += time.perf_counter() - t1
+      parts.append((rows, scored))
+      if not s.filter_tied_groups:
+        break
+      tied = np.ptp(scored["reward"].reshape(-1, G), axis=1) == 0
+      kept += [(len(parts) - 1, g) for g in np.flatnonzero(~tied)]
+      short = int(gather(np.asarray([B - len(kept)])).max())
+      if short <= 0 or len(parts) >= s.filter_max_rounds:
+        break
+      host = dict(self._stream.more())
+    # Every process's rows as wide as the widest (one global batch).
+    width = int(gather(np.asarray([max(r["tokens"].shape[1] for r, _ in parts)])).max())
+    if not s.filter_tied_groups:
+      rows, scored = parts[0]
+      rows = widen(rows, width)
+      reward, info = scored["reward"], {}
+    else:
+      chosen = kept[:B]
+      wide = widen(parts[0][0], width)
+      rows = {k: np.zeros((B * G, *v.shape[1:]), v.dtype) for k, v in wide.items()}
+      reward = np.zeros(B * G, np.float32)
+      for slot, (part, g) in enumerate(chosen):
+        block, to = slice(g * G, (g + 1) * G), slice(slot * G, (slot + 1) * G)
+        for k, v in widen(parts[part][0], width).items():
+          rows[k][to] = v[block]
+        reward[to] = parts[part][1]["reward"][block]
+      filled = gather(np.asarray([len(chosen)]))
+      info = {
+        "sampling_rounds": float(len(parts)),
+        "sampled_prompts": float(len(parts) * B * jax.process_count()),
+        "unfilled_groups": float(B * jax.process_count() - filled.sum()),
+      }
+      scored = {k: np.concatenate([sc[k] for _, sc in parts]) for k in parts[0][1]}
+    batch_std = None
+    if s.scale_rewards == "batch" and (jax.process_count() > 1 or s.filter_tied_groups):
+      real = rows["segment_ids"].any(axis=1)
+      everyone = gather(np.where(real, reward, np.nan))
+      batch_std = float(np.nanstd(everyone, ddof=1))
+    rows["advantages"] = advantages(reward, G, s.scale_rewards, batch_std=batch_std).astype(
+      np.float32
+    )
+    scored = {k: gather(v) for k, v in scored.items()}  # what every process sampled: the log
+    return rows, scored, info
+
+  def _rollout(self, host, params, *, training: bool):
+    """(lengths_R, out [R, P + N], logps): a training batch's prompts (it carries their
     rollouts' seeds) each continued group_size times, sampled; a held-out batch's once, greedy.
-    A held-out batch's padding rows have length 0."""
-    training = "seed" in batch
-    host = {k: np.asarray(jax.device_get(batch[k])) for k in ("tokens", "segment_ids")}
+    A held-out batch's padding rows have length 0. `host`: this process's rows of the batch;
+    `params`: the sampler's (`_sampler_params`)."""
     lengths = host["segment_ids"].sum(axis=1).astype(np.int32)
     P = rows_width(int(lengths.max()), host["tokens"].shape[1])
     G = self.s.group_size if training else 1
     prompts_RP, lengths_R = np.repeat(host["tokens"][:, :P], G, axis=0), np.repeat(lengths, G)
     if training:
-      seeds = np.asarray(jax.device_get(batch["seed"]))
-      keys = jax.vmap(jax.random.key)(jnp.asarray(np.repeat(seeds, G), jnp.uint32))
-      keys = jax.vmap(jax.random.fold_in)(keys, jnp.tile(jnp.arange(G), len(seeds)))
+      keys = jax.vmap(jax.random.key)(jnp.asarray(np.repeat(host["seed"], G), jnp.uint32))
+      keys = jax.vmap(jax.random.fold_in)(keys, jnp.tile(jnp.arange(G), len(host["seed"])))
     else:  # greedy: the keys are not read
       keys = jax.vmap(jax.random.key)(jnp.zeros(len(lengths_R), jnp.uint32))
     split = "train" if training else "eval"
-    return training, lengths_R, self._rollouts(params, prompts_RP, lengths_R, keys, split=split)
+    out, logps = self._rollouts(params, prompts_RP, lengths_R, keys, split=split)
+    return lengths_R, out, logps
 
   def samples(self, data, *, cfg, split: str, count: int) -> list[dict]:
     """The first `count` prompts of `split` with their completions, as the run's first step
@@ -369,7 +717,8 @@ class GRPO(tasks.Task):
         raise UserError("This experiment has no held-out prompts: set data.eval_files.")
       batch = next(iter(data.eval_batches(data.eval, batch_size=cfg.train.batch_size)))
     batch = {k: np.asarray(v)[:count] for k, v in batch.items()}
-    training, lengths_R, out = self._rollout(batch, params)
+    training = split == "train"
+    lengths_R, out, _ = self._rollout(batch, self._sampler_params(params), training=training)
     G = self.s.group_size if training else 1
     index_R = np.repeat(batch["index"], G)
     valid = lengths_R > 0
@@ -424,6 +773,10 @@ class GRPO(tasks.Task):
     per_fn = np.zeros((R, len(self.rewards)))
     per_fn[live] = rewards_lib.score(self.rewards, prompts, completions, fields).T
     reward = per_fn @ np.asarray([r.weight for r in self.rewards])
+    overlong = np.zeros(R)
+    if training and s.soft_punish_cache:  # DAPO's soft overlong punishment (training only)
+      overlong = s.soft_punish_factor * soft_overlong(kept, N, s.soft_punish_cache) * valid
+      reward = reward + overlong
     if s.truncated == "penalize":
       reward = np.where(truncated, s.truncated_reward, reward)
     t = np.arange(L)[None]
@@ -444,14 +797,14 @@ class GRPO(tasks.Task):
       "truncated": truncated.astype(np.float32),
       "valid": valid.astype(np.float32),
     }
+    if training and s.soft_punish_cache:
+      scored["overlong_penalty"] = overlong.astype(np.float32)
     return rows, scored, texts
 
   def _place(self, arrays: dict) -> dict:
-    """Host arrays as the step takes them: split over the batch axes of the mesh."""
-    if self._layout is None:
-      return {k: jnp.asarray(v) for k, v in arrays.items()}
-    sharding = parallel.NamedSharding(self._layout.mesh, self._layout.batch_spec)
-    return {k: jax.device_put(v, sharding) for k, v in arrays.items()}
+    """This process's host rows as the step takes them: split over the batch axes of the mesh
+    (`place_rows`)."""
+    return place_rows(arrays, self._layout)
 
   # Logging
 
@@ -471,6 +824,8 @@ class GRPO(tasks.Task):
     }
     for f, r in enumerate(self.rewards):
       m[f"reward/{r.name}"] = float(scored["rewards"][:, f].mean())
+    if "overlong_penalty" in scored:
+      m["overlong_penalty"] = float(scored["overlong_penalty"].mean())
     for k, v in m.items():
       self._metrics.setdefault(k, []).append(v)
 

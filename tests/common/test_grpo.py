@@ -545,3 +545,231 @@ def test_rows_fit_the_longest_prompt_with_the_same_rollouts_and_loss(tmp_path, m
   (got, count), (want, want_count) = (task.loss_sums(model, r) for r in (rows, full))
   assert float(count) == float(want_count) > 0
   np.testing.assert_allclose(float(got), float(want), rtol=1e-6, atol=1e-7)
+
+
+# The levers (issue 57): each against its formula in numpy on the fixed rows, then through the
+# trainer.
+
+
+def numpy_levers_loss(logp, batch, s):
+  """The grpo loss with every lever, in numpy (float64): (total, count, metrics)."""
+  w = batch["loss_weights"][:, 1:] * (batch["segment_ids"][:, 1:] > 0)
+  old = batch.get("old_logps", logp).astype(np.float64)
+  log_ratio = logp - old
+  if s.importance_sampling_level == "sequence":
+    log_ratio = (log_ratio * w).sum(1, keepdims=True) / np.maximum(w.sum(1, keepdims=True), 1)
+  ratio = np.exp(log_ratio)
+  a = batch["advantages"][:, None].astype(np.float64)
+  clipped = np.clip(ratio, 1 - s.epsilon, 1 + (s.epsilon_high or s.epsilon))
+  loss = -np.minimum(ratio * a, clipped * a) * np.ones_like(w)
+  metrics = {"clip_ratio": ((ratio * a > clipped * a) * w).sum() / w.sum()}
+  if "sampler_logps" in batch:
+    d = old - batch["sampler_logps"]
+    metrics["sampler_kl"] = ((np.exp(d) - d - 1) * w).sum() / w.sum()
+    if s.sampler_correction != "none":
+      is_ratio, cap = np.exp(d), s.sampler_correction_cap
+      if s.sampler_correction == "token_truncate":
+        loss = loss * np.minimum(is_ratio, cap)
+      else:
+        loss = loss * np.where(is_ratio > cap, 0.0, is_ratio)
+      metrics["sampler_capped"] = ((is_ratio > cap) * w).sum() / w.sum()
+  if s.beta:
+    ref = batch["reference"]
+    loss = loss + s.beta * (np.exp(ref - logp) - (ref - logp) - 1)
+  if s.loss_type == "dapo":
+    return (loss * w).sum(), w.sum(), metrics
+  if s.loss_type == "grpo":
+    return ((loss * w).sum(1) / w.sum(1)).sum(), len(w), metrics
+  return (loss * w).sum(), len(w) * s.max_new_tokens, metrics
+
+
+LEVERS = {
+  "clip-higher": dict(epsilon_high=0.28),
+  "gspo": dict(importance_sampling_level="sequence"),
+  "gspo grpo clip-higher": dict(importance_sampling_level="sequence", epsilon_high=0.28,
+                                loss_type="grpo"),  # fmt: skip
+  "tis": dict(sampler_correction="token_truncate", sampler_correction_cap=1.2),
+  "tis mu=1": dict(sampler_correction="token_truncate", sampler_correction_cap=1.2),
+  "masked is": dict(sampler_correction="token_mask", sampler_correction_cap=1.2),
+  "mismatch only": dict(sampler_dtype="bfloat16"),
+  "all": dict(epsilon_high=0.28, importance_sampling_level="sequence", beta=0.1,
+              sampler_correction="token_truncate", sampler_correction_cap=1.2, loss_type="dr_grpo"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("lever", LEVERS)
+def test_levers_loss_equals_the_formula(fixed, lever):
+  """Clip-higher, GSPO's sequence-level ratio, the sampler correction (truncated or masked
+  importance sampling, its weights capped) and the mismatch's KL: the loss and the logged
+  measures against numpy, with old log-probs (num_iterations > 1) apart from the policy's by up
+  to +-0.7 and the sampler's apart from those by up to +-0.5 (weights above the cap)."""
+  from nnx_zoo.common.nn import aux
+
+  cfg, model, batch, logits = fixed
+  settings = grpo.config(temperature=1.0, max_new_tokens=6, **LEVERS[lever])
+  logp = numpy_token_logps(logits, batch["tokens"], 1.0)
+  rng = np.random.default_rng(2)
+  # Each row's tokens moved by up to +-0.4 around a shift of the row's: its sequence ratio
+  # beyond the clip on its advantage's side (rows 0 and 3) or not.
+  shift = np.array([[-0.35], [0.1], [0.0], [0.35]])
+  old = logp + rng.uniform(-0.4, 0.4, logp.shape) + shift
+  batch = dict(batch, reference=(logp + rng.uniform(-1, 1, logp.shape)).astype(np.float32))
+  if lever != "tis mu=1":
+    batch["old_logps"] = old.astype(np.float32)
+  trainer_logps = batch.get("old_logps", logp)
+  if "sampler" in " ".join(LEVERS[lever]):
+    sampler = trainer_logps + rng.uniform(-0.5, 0.5, logp.shape)
+    batch["sampler_logps"] = sampler.astype(np.float32)
+  want, want_count, want_metrics = numpy_levers_loss(logp, batch, settings)
+  with aux.collect() as entries:
+    total, count = grpo.GRPO(settings).loss_sums(model, batch)
+  got = {k: float(v) for k, v in aux.means(entries).items()}
+  assert float(count) == want_count
+  np.testing.assert_allclose(float(total), want, rtol=2e-5, atol=1e-6)
+  for k, v in want_metrics.items():
+    assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+  if "sampler_capped" in want_metrics:
+    assert 0 < want_metrics["sampler_capped"] < 1  # the cap binds on some tokens, not all
+  if lever in ("clip-higher", "gspo"):
+    assert want_metrics["clip_ratio"] > 0
+
+
+def test_soft_overlong_punishment_equals_dapo():
+  """DAPO eq. 13 with L_max = 16, L_cache = 4: 0 to 12 tokens, then -1/4 a token to -1 at 16."""
+  lengths = np.arange(0, 17)
+  want = [0.0 if n <= 12 else (12 - n) / 4 for n in lengths]
+  np.testing.assert_allclose(grpo.soft_overlong(lengths, 16, 4), want)
+  assert grpo.soft_overlong(np.array([16]), 16, 16)[0] == -1.0  # the whole window
+
+
+def test_batch_advantages_take_the_given_std():
+  """scale_rewards="batch" over several processes: each centres on its groups' means and
+  divides by the std of every process's rewards, which is the single process's division."""
+  r = np.random.default_rng(0).normal(size=16)
+  whole = grpo.advantages(r, 4, "batch")
+  halves = [grpo.advantages(h, 4, "batch", batch_std=r.std(ddof=1)) for h in (r[:8], r[8:])]
+  np.testing.assert_array_equal(np.concatenate(halves), whole)
+
+
+def lever_run(tmp_path, name, overrides, *, stop_at=None):
+  """chat/grpo:smoke with `overrides` in tmp_path/name: the batches each update trained on
+  (host arrays) and the metrics lines; with `stop_at`, stopped (a UserError) as that many
+  updates have been completed."""
+  seen = []
+  complete = grpo.GRPO.complete
+
+  def recording(self, batch, params):
+    if stop_at is not None and len(seen) == stop_at and "seed" in batch:
+      raise UserError("stopped by the test")
+    out = complete(self, batch, params)
+    if "advantages" in out:
+      seen.append({k: np.asarray(v) for k, v in out.items()})
+    return out
+
+  grpo.GRPO.complete = recording
+  try:
+    cfg = smoke(tmp_path, **overrides)
+    if stop_at is None:
+      trainer.train(cfg, str(tmp_path / name), progress=False)
+    else:
+      with pytest.raises(UserError, match="stopped by the test"):
+        trainer.train(cfg, str(tmp_path / name), progress=False)
+  finally:
+    grpo.GRPO.complete = complete
+  with open(tmp_path / name / "metrics.jsonl") as f:
+    lines = [json.loads(line) for line in f]
+  return seen, [r for r in lines if "split" not in r]
+
+
+@pytest.mark.slow
+def test_several_updates_on_one_rollout_clip_and_resume_between_them(tmp_path):
+  """num_iterations=2: updates 1 and 2 train on one rollout (the same rows, the old log-probs
+  the trainer's on the rollout's weights), update 3 samples anew; update 1's ratios are 1 and
+  none is clipped, update 2's are not (epsilon 0.01 at a high rate: some clip). Stopped after
+  update 1 and resumed, updates 2 to 4 are the unbroken run's, bit for bit."""
+  overrides = {
+    "grpo.num_iterations": "2", "grpo.epsilon": "0.01", "optim.lr": "3e-3",
+    "optim.warmup_steps": "0", "optim.schedule": "constant", "train.checkpoint_every": "1",
+    "train.eval_every": "0",
+  }  # fmt: skip
+  seen, lines = lever_run(tmp_path, "straight", overrides)
+  assert len(seen) == 4 and [r["step"] for r in lines] == [1, 2, 3, 4]
+  for k in ("tokens", "old_logps", "advantages"):
+    np.testing.assert_array_equal(seen[0][k], seen[1][k])
+  assert not np.array_equal(seen[1]["tokens"], seen[2]["tokens"])
+  assert lines[0]["clip_ratio"] == 0 and lines[2]["clip_ratio"] == 0
+  assert lines[1]["clip_ratio"] > 0 and lines[3]["clip_ratio"] > 0
+  assert "reward" in lines[0] and "reward" not in lines[1]  # a rollout is logged once
+  first = lever_run(tmp_path, "resumed", overrides, stop_at=1)[0]
+  rest, resumed = lever_run(tmp_path, "resumed", overrides)
+  assert len(first) == 1 and len(rest) == 3
+  for a, b in zip(seen[1:], rest, strict=True):
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+  assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # the first attempt's line, then these
+  for a, b in zip(lines[1:], resumed[1:], strict=True):
+    assert [a[k] for k in ("loss", "grad_norm", "clip_ratio")] == [
+      b[k] for k in ("loss", "grad_norm", "clip_ratio")
+    ]
+
+
+# Ties every group of a prompt asking for "a" (a constant), scores the others by their text.
+TIES_PY = """
+def ties_a(prompts, completions, letter, **_):
+  return [0.5 if l == "a" else float(sum(map(ord, c[0]["content"])) % 5)
+          for c, l in zip(completions, letter)]
+"""
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_drops_tied_groups_refills_and_resumes(tmp_path):
+  """filter_tied_groups on a reward that ties every "a" prompt's group: no trained group ties
+  (each has advantages), the batch is refilled from more prompts (some step takes 2 rounds, its
+  prompts logged), never more than filter_max_rounds; a batch left short trains on its filled
+  groups, the rest of its rows empty. Stopped after 2 steps and resumed: the same rows, bit for
+  bit."""
+  (tmp_path / "ties.py").write_text(TIES_PY)
+  overrides = {
+    "grpo.reward": f"{tmp_path / 'ties.py'}:ties_a", "grpo.filter_tied_groups": "True",
+    "grpo.filter_max_rounds": "2", "train.eval_every": "0",
+  }  # fmt: skip
+  seen, lines = lever_run(tmp_path, "straight", overrides)
+  G = 4
+  rounds = [r["sampling_rounds"] for r in lines]
+  assert max(rounds) == 2 and all(1 <= n <= 2 for n in rounds)
+  for r in lines:
+    assert r["sampled_prompts"] == 4 * r["sampling_rounds"]
+  assert any(r["tied_groups"] > 0 for r in lines)
+  for rows, line in zip(seen, lines, strict=True):
+    groups = rows["advantages"].reshape(-1, G)
+    filled = (rows["segment_ids"].reshape(-1, G, rows["segment_ids"].shape[1]) > 0).any((1, 2))
+    assert filled.sum() == 4 - line["unfilled_groups"]
+    assert (np.abs(groups[filled]).max(axis=1) > 0).all()  # no tied group trained
+    assert not rows["loss_weights"].reshape(4, -1)[~filled].any()  # empty rows: no loss
+  first = lever_run(tmp_path, "resumed", overrides, stop_at=2)[0]
+  rest = lever_run(tmp_path, "resumed", overrides)[0]
+  for a, b in zip(seen, first + rest, strict=True):
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+
+
+@pytest.mark.slow
+def test_a_bfloat16_sampler_under_an_fp32_step_logs_its_mismatch_and_caps_the_weights(tmp_path):
+  """grpo.sampler_dtype=bfloat16 (the engine computes in bf16 on a bf16 copy of the weights)
+  under the fp32 step: the rows carry the sampler's log-probs; the logged KL between sampler and
+  trainer is above 0 (and above an fp32 sampler's); with the cap at 1, the truncated weights of
+  the tokens the trainer likes better than the sampler are capped (sampler_capped > 0)."""
+  base = {
+    "train.eval_every": "0", "train.steps": "2", "grpo.sampler_correction": "token_truncate",
+    "grpo.sampler_correction_cap": "1.0",
+  }  # fmt: skip
+  bf16, lines = lever_run(tmp_path, "bf16", {**base, "grpo.sampler_dtype": "bfloat16"})
+  fp32, fp32_lines = lever_run(tmp_path, "fp32", base)
+  assert all("sampler_logps" in rows for rows in bf16)
+  for r, f in zip(lines, fp32_lines, strict=True):
+    assert r["sampler_kl"] > 0 and r["sampler_kl"] > 10 * f["sampler_kl"]
+    assert 0 < r["sampler_capped"] < 1
+  # The sampler's log-probs of its tokens sit where the trainer's are: each row's completion.
+  rows = bf16[0]
+  w = rows["loss_weights"][:, 1:] > 0
+  assert (rows["sampler_logps"][w] < 0).all() and not rows["sampler_logps"][~w].any()
