@@ -718,13 +718,15 @@ def continue_rows(
   top_p: float = 1.0,
   stop_ids: tuple[int, ...] = (),
   prefill: int | None = None,
-) -> np.ndarray:
+  logprobs: bool = False,
+):
   """Rows of prompts of different lengths continued on an engine with a slot a row: [B, P +
   max_new_tokens], row b its prompt (the first `lengths_B[b]` tokens of `prompt_BP`; a row of
   length 0 is padding, never read) and then its sampled tokens, drawn with keys_B[b]. A row
   stops at one of `stop_ids`; what a row holds after its stop, or after its max_new_tokens, is
-  the first stop id (0 without one). `prefill` is accepted for old callers and unused: the
-  engine reads each prompt in chunks of its own."""
+  the first stop id (0 without one). With `logprobs`, also [B, max_new_tokens]: each new
+  token's log-probability under the model (0 after the row's end). `prefill` is accepted for
+  old callers and unused: the engine reads each prompt in chunks of its own."""
   del prefill
   prompt_BP = np.asarray(jax.device_get(prompt_BP), np.int32)
   lengths_B = np.asarray(jax.device_get(lengths_B), np.int32)
@@ -733,20 +735,28 @@ def continue_rows(
   fill = stops[0] if stops else 0
   out = np.full((B, P + max_new_tokens), fill, np.int32)
   out[:, :P] = np.where(np.arange(P) < lengths_B[:, None], prompt_BP, fill)
-  if max_new_tokens < 1:
-    return out[:, : P + max_new_tokens]
-  engine = _static_engine(graphdef, params, B, P, max_new_tokens)
-  options = SamplingParams(
-    max_new_tokens, float(temperature), int(top_k), float(top_p), stop_ids=stops
-  )
-  rids = {}
-  for b in range(B):
-    if lengths_B[b] > 0:
-      rids[engine.submit(prompt_BP[b, : lengths_B[b]], options, key=keys_B[b])] = b
-  for rid, tokens in engine.run().items():
-    b = rids[rid]
-    out[b, lengths_B[b] : lengths_B[b] + len(tokens)] = tokens
-  return out
+  logps = np.zeros((B, max(max_new_tokens, 0)), np.float32)
+  if max_new_tokens >= 1:
+    engine = _static_engine(graphdef, params, B, P, max_new_tokens)
+    options = SamplingParams(
+      max_new_tokens, float(temperature), int(top_k), float(top_p), stop_ids=stops,
+      logprobs=0 if logprobs else None,
+    )  # fmt: skip
+    rows, done = {}, np.zeros(B, np.int64)
+    for b in range(B):
+      if lengths_B[b] > 0:
+        rows[engine.submit(prompt_BP[b, : lengths_B[b]], options, key=keys_B[b])] = b
+    while engine.busy:
+      for got in engine.step():
+        b, n = rows[got.rid], len(got.tokens)
+        at = lengths_B[b] + done[b]
+        out[b, at : at + n] = got.tokens
+        if logprobs and n:
+          logps[b, done[b] : done[b] + n] = got.logprobs
+        done[b] += n
+  else:
+    out = out[:, : P + max_new_tokens]
+  return (out, logps) if logprobs else out
 
 
 def _static_engine(graphdef, params, batch: int, prompt_len: int, max_new_tokens: int) -> Engine:

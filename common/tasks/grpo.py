@@ -551,36 +551,10 @@ class GRPO(tasks.Task):
     return self._rollouts_with_logps(params, prompts_RP, lengths_R, keys_R, **options)
 
   def _rollouts_with_logps(self, params, prompts_RP, lengths_R, keys_R, **options):
-    """`engine.continue_rows`'s static batch on the same engine (a slot a row, the same
-    programs, so the same tokens), with each new token's log-probability (SamplingParams'
-    logprobs=0)."""
-    prompts_RP = np.asarray(prompts_RP, np.int32)
-    lengths_R = np.asarray(lengths_R, np.int32)
-    R, P = prompts_RP.shape
-    N, graphdef = self._sampling["max_new_tokens"], self._sampling["graphdef"]
-    stops = engine.stop_tuple(self._sampling["stop_ids"])
-    fill = stops[0] if stops else 0
-    out = np.full((R, P + N), fill, np.int32)
-    out[:, :P] = np.where(np.arange(P) < lengths_R[:, None], prompts_RP, fill)
-    logps = np.zeros((R, N), np.float32)
-    length = max(engine.MIN_CACHE, 1 << (P + N - 1).bit_length())
-    eng = engine.Engine(
-      (graphdef, params), slots=R, max_len=length, prefill_chunk=1024, check_memory=False
+    """`engine.continue_rows` with each new token's log-probability under the sampler."""
+    return engine.continue_rows(
+      params, prompts_RP, lengths_R, keys_R, logprobs=True, **self._sampling, **options
     )
-    sampling = engine.SamplingParams(N, stop_ids=stops, logprobs=0, **options)
-    rows, done = {}, np.zeros(R, np.int64)
-    for r in range(R):
-      if lengths_R[r] > 0:
-        rows[eng.submit(prompts_RP[r, : lengths_R[r]], sampling, key=keys_R[r])] = r
-    while eng.busy:
-      for got in eng.step():
-        r, n = rows[got.rid], len(got.tokens)
-        if n:
-          at = lengths_R[r] + done[r]
-          out[r, at : at + n] = got.tokens
-          logps[r, done[r] : done[r] + n] = got.logprobs
-          done[r] += n
-    return out, logps
 
   # Before each step: the rollouts
 
