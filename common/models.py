@@ -142,6 +142,9 @@ def upgrade(saved: dict) -> ml_collections.ConfigDict:
   mlp_cfg = saved.get("mlp", {})
   if mlp_cfg.get("kind") in OLD_MLP_KINDS and "activation" not in mlp_cfg:
     mlp_cfg["activation"], mlp_cfg["kind"] = mlp_cfg["kind"], "dense"
+  lora_cfg = saved.get("lora", {})
+  if lora_cfg.get("base_quant") and "frozen_dtype" not in lora_cfg:
+    lora_cfg["frozen_dtype"] = "param_dtype"  # QLoRA saved before the key: tables as they were
   family = saved.get("family")
   if family in families():
     _fill(saved, family_module(family).config().to_dict())

@@ -72,12 +72,14 @@ def read_zoo(path: str, *, quantize=None) -> tuple[ml_collections.ConfigDict, nn
 
 
 def _read_quantizing(ckpts, key: str, abstract: nnx.State, quantize) -> nnx.State:
-  """The params of a checkpoint, one tree per layer, restored a quantized kernel at a time
-  (each quantized before the next is read) and the rest at once (a model stored one tree per
-  layer: a stacked kernel is whole in one array)."""
+  """The params of a checkpoint, one tree per layer, restored a quantized kernel or a frozen
+  table cast to bf16 (`qlora.frozen_dtype`) at a time (each converted before the next is read)
+  and the rest at once (a model stored one tree per layer: a stacked kernel is whole in one
+  array)."""
   flat = nnx.to_flat_state(abstract)
-  targets = [(k, v) for k, v in flat if k in quantize.targets]
-  rest = [(k, v) for k, v in flat if k not in quantize.targets]
+  alone = quantize.targets | quantize.casts
+  targets = [(k, v) for k, v in flat if k in alone]
+  rest = [(k, v) for k, v in flat if k not in alone]
 
   def restore(part):
     return nnx.to_flat_state(ckpts.restore_latest({key: nnx.from_flat_state(part)})[key])
@@ -90,12 +92,23 @@ def _read_quantizing(ckpts, key: str, abstract: nnx.State, quantize) -> nnx.Stat
 
 
 def merge_lora(cfg, params: nnx.State) -> tuple[ml_collections.ConfigDict, nnx.State]:
-  """The config without adapters and the params with each adapter folded into its kernel."""
+  """The config without adapters and the params with each adapter folded into its kernel (a
+  QLoRA model's frozen embeddings and heads back in param_dtype: `qlora.frozen_dtype`)."""
   model = nnx.merge(nnx.graphdef(models.abstract(cfg)), jax.tree.map(jnp.asarray, params))
   lora.merge(model)
   cfg = ml_collections.ConfigDict(cfg.to_dict())
   cfg.lora.rank, cfg.lora.base_quant = 0, ""
-  return cfg, nnx.state(model, nnx.Param)
+  merged = nnx.state(model, nnx.Param)
+  want = dict(nnx.to_flat_state(nnx.state(models.abstract(cfg), nnx.Param)))
+  return cfg, nnx.from_flat_state(
+    [
+      (
+        k,
+        v if k not in want or v.dtype == want[k].dtype else v.replace(v[...].astype(want[k].dtype)),
+      )
+      for k, v in nnx.to_flat_state(merged)
+    ]
+  )
 
 
 def locate(path: str) -> str:

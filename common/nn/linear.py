@@ -57,20 +57,20 @@ class Linear(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     *lead, d = x.shape
-    if self.base_quant:  # the codes and scales gathered, then dequantized (common/nn/qlora.py)
+    x = x.reshape(-1, d).astype(self.dtype)
+    if self.base_quant:  # the codes and scales gathered, dequantized in the product (qlora.py)
       codes = parallel.gather(self.kernel[...], self.axes)
       scale = parallel.gather(self.kernel_scale[...], self.axes)
-      kernel = qlora.dequantize(codes, scale, kind=self.base_quant, dtype=self.dtype)
+      y = qlora.matmul(x, codes, scale, kind=self.base_quant, dtype=self.dtype, q=self.quant)
     else:
       kernel = parallel.gather(self.kernel[...], self.axes).astype(self.dtype)
-    x = x.reshape(-1, d).astype(self.dtype)
-    y = jnp.dot(x, kernel) if self.quant is None else quant.dot(x, kernel, self.quant)
+      y = jnp.dot(x, kernel) if self.quant is None else quant.dot(x, kernel, self.quant)
     y = parallel.reduce(y, self.axes[0])
     if self.lora is not None:
       y = y + self.lora(x)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)  # after the reduce: added once, not per shard
-    return y.reshape(*lead, kernel.shape[1])
+    return y.reshape(*lead, y.shape[-1])
 
 
 class Embedding(nnx.Module):

@@ -36,13 +36,24 @@ def config(
   targets: str = "attn.q,attn.v",
   train: str = "",
   base_quant: str = "",
+  frozen_dtype: str = "",
 ) -> ml_collections.ConfigDict:
   """A `model.lora` sub-config. rank=0: no adapters, every parameter trains. targets: comma-
   separated patterns matched against the end of each Linear's dotted path (`blocks.3.attn.q`);
   train: patterns of other parameters that still train (e.g. "head.*"); base_quant: "" (the
-  frozen base in param_dtype), "int8", "int4" or "nf4" (QLoRA, common/nn/qlora.py)."""
+  frozen base in param_dtype), "int8", "int4" or "nf4" (QLoRA, common/nn/qlora.py);
+  frozen_dtype: under base_quant, the dtype of the frozen embeddings and heads outside the
+  blocks ("": bfloat16; "float32"; "param_dtype", as a run saved before the key; see
+  `qlora.frozen_dtype`)."""
   return ml_collections.ConfigDict(
-    {"rank": rank, "alpha": alpha, "targets": targets, "train": train, "base_quant": base_quant}
+    {
+      "rank": rank,
+      "alpha": alpha,
+      "targets": targets,
+      "train": train,
+      "base_quant": base_quant,
+      "frozen_dtype": frozen_dtype,
+    }
   )
 
 

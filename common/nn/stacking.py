@@ -153,6 +153,13 @@ def in_layer(path: tuple) -> bool:
   return _split_path(path) is not None
 
 
+def layer_of(path: tuple) -> tuple | None:
+  """(stack prefix, the layer's index) of a path one tree per layer (`unstack_layers`' naming),
+  or None for a parameter of no stack's layers."""
+  split = _split_path(path)
+  return None if split is None else split[:1] + split[2:3]
+
+
 def layouts(paths) -> dict[tuple, int]:
   """The stacks that key `paths` (tuples; a state's, or a checkpoint's) store stacked: stack
   prefix -> the period of its pattern (the slots of `stacked`)."""

@@ -25,11 +25,15 @@ from nnx_zoo.common import config as config_lib
 from nnx_zoo.common import device_memory, mesh, parallel, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint
-from nnx_zoo.common.nn import attention_blocked
+from nnx_zoo.common.nn import attention_blocked, qlora
 from nnx_zoo.common.train import step as steps
 
 MODES = ("auto", "off")
 LOSS_CHUNK = 1024
+# A QLoRA step's chunk (`qlora_levers`): at 151,936 tokens of vocabulary (Qwen2.5) 1024 tokens'
+# logits and their gradient are ~1.2 GiB of temporaries, more than the rest of an nf4 0.5 B
+# model's step; 256 tokens' are a quarter of it (measured: the step 2.61 -> 1.74 GiB at 8 x 256).
+QLORA_LOSS_CHUNK = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +73,12 @@ def _remat(cfg, policy: str) -> Lever | None:
   return Lever(overrides, what + (", the blocks in one scanned loop" * ("model.scan" in overrides)))
 
 
-def _loss_chunk(cfg) -> Lever | None:
+def _loss_chunk(cfg, chunk: int = LOSS_CHUNK) -> Lever | None:
   if cfg.train.get("loss_chunk", 0) or cfg.model.get("vocab_size", 0) < 32768:
     return None
   return Lever(
-    {"train.loss_chunk": LOSS_CHUNK},
-    f"the output head and loss {LOSS_CHUNK:,} tokens at a time: no [tokens, vocab] logits alive",
+    {"train.loss_chunk": chunk},
+    f"the output head and loss {chunk:,} tokens at a time: no [tokens, vocab] logits alive",
   )
 
 
@@ -96,6 +100,35 @@ def _micro_batches(cfg, sizes, factor: int) -> Lever | None:
   if rows % micro or micro > rows:
     return None
   return Lever({"train.micro_batches": micro}, "fewer rows' activations alive at a time")
+
+
+def qlora_levers(cfg) -> dict:
+  """The levers a QLoRA step (`model.lora.base_quant`) takes by default under train.fit=auto,
+  whether or not it fits as configured: a 4-bit base is asked for to save memory, and the base
+  is then the small part of the step (Qwen2.5-0.5B at 8 x 256: 0.19 GiB of nf4 base, 11.6 GiB
+  of activations and logits as configured). Remat full in a scan (each layer's input kept, one
+  layer's activations and dequantized kernels alive at a time) and, at a vocabulary of 32k or
+  more, the chunked loss, `QLORA_LOSS_CHUNK` tokens at a time. {} where they are pulled
+  already, or under train.fit="off" (the step as configured)."""
+  if cfg.train.fit != "auto" or not cfg.model.get("lora", {}).get("base_quant"):
+    return {}
+  pulled = {}
+  for lever in (_remat(cfg, "full"), _loss_chunk(cfg, QLORA_LOSS_CHUNK)):
+    if lever is not None:
+      pulled.update(lever.overrides)
+  return pulled
+
+
+def with_qlora_levers(cfg):
+  """`cfg` with `qlora_levers` pulled and added to `train.fitted` (so a resumed run, and
+  `zoo show --memory`, take the same step); `cfg` itself where there are none."""
+  pulled = qlora_levers(cfg)
+  if not pulled:
+    return cfg
+  fitted = format_fitted({**parse_fitted(cfg.train.fitted), **pulled})
+  cfg = with_overrides(cfg, pulled)
+  cfg.train.fitted = fitted
+  return cfg
 
 
 def levers(cfg, sizes: dict[str, int]) -> list[Lever]:
@@ -318,6 +351,16 @@ def fitted_step(cfg, *, tx, layout, example=None):
   the candidates' figures."""
   if cfg.train.fit not in MODES:
     raise UserError(f"train.fit={cfg.train.fit!r}: it is one of {', '.join(MODES)}.")
+  pulled = qlora_levers(cfg)
+  if pulled:
+    cfg = with_qlora_levers(cfg)
+    if jax.process_index() == 0:
+      print(
+        f"train.fit=auto: a QLoRA step (model.lora.base_quant) trains with "
+        f"{format_fitted(pulled)}, as config.json's train.fitted records (train.fit=off: the "
+        "step as configured)",
+        flush=True,
+      )
   result = search(cfg, tx=tx, layout=layout, example=example)
   if result is None:
     abstract, shardings = steps.placed_abstract_state(cfg, tx, layout)
@@ -358,12 +401,19 @@ def report(cfg, *, tx, layout) -> str:
   def progress(line: str):
     print(f"# memory: {line}", flush=True)
 
+  pulled = qlora_levers(cfg)
+  cfg = with_qlora_levers(cfg)
+  if pulled:
+    progress(f"a QLoRA step takes {format_fitted(pulled)} under train.fit=auto")
   result = search(cfg, tx=tx, layout=layout, progress=progress)
   if result is None:
     return f"# memory: the {tasks.of(cfg).name} task's batches are not described: not checked"
+  if cfg.model.get("lora", {}).get("base_quant"):
+    progress(qlora_parts(cfg, result.first, tx=tx))
   first, lines = result.first, []
   if first.fits():
-    lines.append("# memory: fits; train.fit changes nothing")
+    more = " more" if pulled else ""
+    lines.append(f"# memory: fits; train.fit changes nothing{more}")
     return "\n".join(lines)
   lines.append(f"# memory: DOES NOT FIT; candidates (most effective first): {_tried(result)}")
   if result.chosen is not None:
@@ -371,6 +421,25 @@ def report(cfg, *, tx, layout) -> str:
   else:
     lines.append("# memory: nothing train.fit=auto tries fits: use a device with more memory")
   return "\n".join(lines)
+
+
+def qlora_parts(cfg, fit: device_memory.Fit, *, tx) -> str:
+  """A QLoRA step's parts (`zoo show --memory`, bench/memory.py): its quantized base, frozen
+  embeddings and heads, one layer's dequantized kernels, the rest of its arguments (adapters,
+  their optimizer state, the batch) and the rest of its temporaries (activations, logits,
+  gradients), from the params' shapes and the compiled step's figures."""
+  params = steps.abstract_state(cfg, tx).params
+  got = qlora.parts(params, dtype=cfg.model.dtype, train=cfg.model.lora.train)
+  dtype = qlora.frozen_dtype(cfg.model.lora)
+  rest = fit.argument - got["base"] - got["tables"]
+  return (
+    f"QLoRA {cfg.model.lora.base_quant}: base {device_memory.gib(got['base'])} (codes and "
+    f"scales), embeddings and heads {device_memory.gib(got['tables'])} ({dtype}), "
+    f"adapters, optimizer state and batch {device_memory.gib(rest)}; "
+    f"one layer's dequantized kernels {device_memory.gib(got['layer'])}, activations, logits "
+    f"and gradients {device_memory.gib(max(fit.temp - got['layer'], 0))} (temporaries "
+    f"{device_memory.gib(fit.temp)})"
+  )
 
 
 def resumed(cfg, workdir: str):

@@ -6,6 +6,7 @@ every bad input as one line, exit 2, nothing written."""
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -78,6 +79,12 @@ def test_the_model_computes_with_the_dequantized_kernels_and_nf4_base_bytes():
     if getattr(q, "base_quant", ""):
       deq = qlora.dequantize(q.kernel[...], q.kernel_scale[...], kind="nf4", dtype=jnp.float32)
       nodes[path].kernel[...] = deq
+  # The frozen embedding and head are held in bf16 (model.lora.frozen_dtype): the plain model
+  # gets their values.
+  for name in ("embed.embedding", "lm_head.kernel"):
+    mine, theirs = (functools.reduce(getattr, name.split("."), m) for m in (model, plain))
+    assert mine[...].dtype == jnp.bfloat16, name
+    theirs[...] = mine[...].astype(jnp.float32)
   forward = nnx.jit(lambda m, t: m(t))
   np.testing.assert_allclose(
     np.asarray(forward(model, TOKENS)), np.asarray(forward(plain, TOKENS)), rtol=1e-5, atol=1e-5
@@ -211,7 +218,7 @@ def test_gguf_k_quants_straight_into_nf4_equal_fp32_then_quantized(tmp_path, mon
     assert type(a[k]) is type(b[k]), k
     np.testing.assert_array_equal(np.asarray(a[k][...]), np.asarray(b[k][...]), err_msg=str(k))
   assert isinstance(a[("blocks", 0, "attn", "q", "kernel")], qlora.QuantizedBase)
-  assert a[("embed", "embedding")][...].dtype == jnp.float32  # embeddings stay in param_dtype
+  assert a[("embed", "embedding")][...].dtype == jnp.bfloat16  # model.lora.frozen_dtype
 
 
 def test_a_zoo_checkpoint_read_a_kernel_at_a_time(tmp_path):
@@ -289,6 +296,8 @@ def test_qlora_run_resumes_exactly_and_exports_merged(tmp_path):
   again.init_from, again.model.lora.base_quant = straight, "int8"
   loaded = weights.init_params(again, nnx.state(models.abstract(again.model), nnx.Param))
   kernel = ("blocks", 0, "attn", "q", "kernel")
+  # The run trained scanned (train.fit's QLoRA levers): its checkpoint is stacked.
+  merged = stacking.unstack_layers(merged)
   codes, _ = qlora.quantize(dict(nnx.to_flat_state(merged))[kernel][...], kind="int8")
   got = dict(nnx.to_flat_state(loaded))[kernel][...]
   np.testing.assert_array_equal(np.asarray(got), np.asarray(codes))
