@@ -27,6 +27,7 @@ zoo generate --workdir DIR (--labels 3,3,7 | --num-per-label N) --out FILE.npz [
              --steps S --eta E --seed I]             # a class-conditional image model (DiT)
 zoo chat --workdir DIR [--messages FILE.json] [--system TEXT]   # talk to a chat model (its
              run's chat template, the KV cache, each answer cut at the end of its turn)
+             [--tools FILE.py:fn,...]   # functions it may call, run between its turns
 zoo serve --workdir DIR [--host 127.0.0.1] [--port 8000] [--slots N] [--max-len T]
              [--model-name NAME] [--max-queue Q] [--grace-s S] [--api-key KEY]
              [--dtype float32|bfloat16]   # an OpenAI-compatible HTTP server (docs/serving.md)
@@ -129,6 +130,10 @@ def parser() -> argparse.ArgumentParser:
   talk.add_argument("--workdir", required=True)
   talk.add_argument("--messages", help="a JSON file of messages: print one answer and exit")
   talk.add_argument("--system", help="a system message to open the conversation with")
+  talk.add_argument(
+    "--tools",
+    help="FILE.py:fn or module:fn, comma-separated: tools the model calls (docs/tools.md)",
+  )
   talk.add_argument("--max-new-tokens", type=int, default=300)
   talk.add_argument("--temperature", type=float, help="0: greedy (default 0.8)")
   talk.add_argument("--top-k", type=int, default=0)

@@ -26,9 +26,10 @@ from starlette.routing import Route
 from nnx_zoo.common import engine
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.serve import metrics as metrics_lib
-from nnx_zoo.common.serve import protocol, text, tool_calls, worker
+from nnx_zoo.common.serve import protocol, text, worker
 from nnx_zoo.common.serve.model import Served
 from nnx_zoo.common.serve.protocol import ApiError
+from nnx_zoo.common.tasks import tool_calls
 
 log = logging.getLogger("nnx_zoo.serve")
 RETRY_AFTER_S = 1  # what a refused client is told to wait

@@ -12,7 +12,7 @@ from nnx_zoo.common import engine, files, models, tasks
 from nnx_zoo.common.data import chat, tokenizers
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import generation, weights
-from nnx_zoo.common.serve import tool_calls
+from nnx_zoo.common.tasks import tool_calls
 
 DEFAULT_MAX_LEN = 2048  # the KV cache's length per slot unless --max-len says otherwise
 DTYPES = ("float32", "bfloat16")

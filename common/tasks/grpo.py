@@ -117,8 +117,9 @@ from flax import nnx
 from nnx_zoo.common import engine, models, parallel, tasks
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.nn import aux
-from nnx_zoo.common.tasks import losses, reference
+from nnx_zoo.common.tasks import episodes, losses, reference
 from nnx_zoo.common.tasks import rewards as rewards_lib
+from nnx_zoo.common.tasks import tools as tools_lib
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALES = ("group", "batch", "none")
@@ -164,6 +165,18 @@ def config(**kw) -> ml_collections.ConfigDict:
     # max_new_tokens cost up to soft_punish_factor of reward, linearly.
     "soft_punish_cache": 0,
     "soft_punish_factor": 1.0,
+    # Episodes in which the model calls tools (common/tasks/episodes.py, docs/tools.md): on where
+    # tools or an environment is named. tools: comma-separated FILE.py:NAME or module:NAME
+    # (functions); environment: FILE.py:NAME of a class (TRL's environment_factory).
+    "tools": "",
+    "environment": "",
+    # The call forms read: the template's own, and those small models write (common/tasks/
+    # tool_calls.py); the weight of a reward for calls in the template's own format (0: none).
+    "call_forms": "template,json_fence,json",
+    "call_format_reward": 0.0,
+    "max_turns": 4,  # the model's turns in an episode
+    "max_episode_tokens": 512,  # after the prompt: the model's and the context's
+    "tool_timeout_s": 10.0,  # a call's time limit
   }
   unknown = set(kw) - set(cfg)
   if unknown:
@@ -277,6 +290,40 @@ def place_rows(arrays: dict, layout) -> dict:
   return out
 
 
+def episodic(s) -> bool:
+  """Whether the rollouts are episodes with tools (grpo.tools or grpo.environment set)."""
+  return bool(s.tools or s.environment)
+
+
+def completion_cap(s) -> int:
+  """The most trained tokens a completion holds: max_new_tokens, or an episode's model tokens
+  (dr_grpo's denominator, the soft overlong punishment's L_max)."""
+  return episodes.settings_of(s).model_token_cap if episodic(s) else s.max_new_tokens
+
+
+def configure_episodes(s) -> "episodes.Agent":
+  """The tools and environment of grpo.tools / grpo.environment, loaded and checked, and the
+  settings episodes refuse."""
+  for key, least in (("max_turns", 1), ("max_episode_tokens", 1)):
+    if s[key] < least:
+      raise UserError(f"grpo.{key}={s[key]}: give {least} or more.")
+  if s.tool_timeout_s < 0:
+    raise UserError(f"grpo.tool_timeout_s={s.tool_timeout_s}: give 0 (no limit) or more seconds.")
+  if s.max_episode_tokens < s.max_new_tokens:
+    raise UserError(
+      f"grpo.max_episode_tokens={s.max_episode_tokens} is less than max_new_tokens="
+      f"{s.max_new_tokens}: an episode holds its turns."
+    )
+  if uses_sampler_logps(s):
+    raise UserError(
+      "Episodes with tools do not yet take the sampler's log-probabilities: leave "
+      "grpo.sampler_correction='none' and grpo.sampler_dtype='' with grpo.tools."
+    )
+  functions = tools_lib.load_tools(s.tools) if s.tools else []
+  environment = tools_lib.load_environment(s.environment) if s.environment else None
+  return episodes.Agent(functions, environment, forms=s.call_forms)
+
+
 def end_of(new: np.ndarray, stops: list[np.ndarray]) -> tuple[int, int] | None:
   """(start, end) of the first stop sequence in `new` (tokens), or None."""
   best = None
@@ -320,9 +367,11 @@ def widen(rows: dict, width: int) -> dict:
 class GRPO(tasks.Task):
   name = "grpo"
 
-  def __init__(self, settings=None, rewards=()):
+  def __init__(self, settings=None, rewards=(), agent=None):
     self.s = settings
+    # The reward functions; those with fn None are an episode's own (environment, call_format).
     self.rewards = list(rewards)
+    self.agent = agent  # episodes with tools (grpo.tools / grpo.environment), else None
     if settings is not None:
       self.rows_per_example = settings.group_size
     self._metrics: dict[str, list[float]] = {}
@@ -375,8 +424,8 @@ class GRPO(tasks.Task):
       total = jnp.sum(jnp.sum(per_token * w, axis=1) / jnp.maximum(length, 1.0))
       return total, jnp.sum((length > 0).astype(jnp.float32))
     total = jnp.sum(per_token * w)
-    if s.loss_type == "dr_grpo":  # a constant denominator: completions x max_new_tokens
-      return total, jnp.asarray(w.shape[0] * s.max_new_tokens, jnp.float32)
+    if s.loss_type == "dr_grpo":  # a constant denominator: completions x their most tokens
+      return total, jnp.asarray(w.shape[0] * completion_cap(s), jnp.float32)
     return total, jnp.sum(w)  # dapo
 
   def eval_sums(self, model, batch, *, prompts=None):
@@ -403,6 +452,8 @@ class GRPO(tasks.Task):
     # The largest rows (prompts as long as data.seq_len); a step's own are often shorter.
     s = cfg.grpo
     R, L = cfg.train.batch_size * s.group_size, cfg.data.seq_len + s.max_new_tokens
+    if episodic(s):
+      L = cfg.data.seq_len + s.max_episode_tokens
     shapes = tasks.token_rows(R, L)
     shapes.update(loss_weights=((R, L), np.float32), advantages=((R,), np.float32))
     for key, wanted in (("reference", s.beta), ("old_logps", s.num_iterations > 1),
@@ -456,7 +507,16 @@ class GRPO(tasks.Task):
       )
     if s.max_new_tokens < 1:
       raise UserError(f"grpo.max_new_tokens={s.max_new_tokens}: sample 1 token or more.")
-    return GRPO(s, rewards_lib.load(s.reward))
+    agent = None
+    if episodic(s):
+      agent = configure_episodes(s)
+    builtin = []
+    if agent is not None and tools_lib.has_reward(agent.environment):
+      builtin.append(rewards_lib.Reward("environment", None, 1.0))
+    if agent is not None and s.call_format_reward:
+      builtin.append(rewards_lib.Reward("call_format", None, float(s.call_format_reward)))
+    functions = rewards_lib.load(s.reward) if s.reward or not builtin else []
+    return GRPO(s, functions + builtin, agent)
 
   def prepare(self, data, *, cfg, layout=None) -> "GRPO":
     """The sampler compiled for the run's shapes, the records whose fields reach the rewards,
@@ -496,6 +556,9 @@ class GRPO(tasks.Task):
       sampler_graphdef = nnx.graphdef(models.abstract(model_cfg))
     # The sampler ends early once every row has written a one-token stop (HF templates' end of
     # turn, the end token): the rest of the rows is cut away here anyway.
+    if self.agent is not None:
+      self.agent.prepare(template, self._tokenizer)
+      self._graphdef = sampler_graphdef
     single = tuple(sorted({int(stop[0]) for stop in self._stops if len(stop) == 1}))
     self._sampling = dict(
       graphdef=sampler_graphdef, max_new_tokens=s.max_new_tokens, stop_ids=single
@@ -566,8 +629,11 @@ class GRPO(tasks.Task):
     ready = time.perf_counter()
     if "seed" not in batch:  # held out: each prompt once, greedy
       host = {k: local_rows(batch[k]) for k in ("tokens", "segment_ids", "index")}
-      lengths_R, out, _ = self._rollout(host, whole_here(params), training=False)
-      _, scored, _ = self._score(out, lengths_R, host["index"], lengths_R > 0, False)
+      if self.agent is not None:
+        _, scored, _ = self._episodes(host, whole_here(params), training=False)
+      else:
+        lengths_R, out, _ = self._rollout(host, whole_here(params), training=False)
+        _, scored, _ = self._score(out, lengths_R, host["index"], lengths_R > 0, False)
       return {**batch, **self._place(scored)}
     held = None if self._stream is None else self._stream.held
     if held is not None:  # another update on the rollout the last step made (num_iterations)
@@ -601,15 +667,18 @@ class GRPO(tasks.Task):
     sampler = self._sampler_params(params)
     parts, kept = [], []
     while True:
-      t0 = time.perf_counter()
-      lengths_R, out, logps = self._rollout(host, sampler, training=True)
-      t1 = time.perf_counter()
-      index_R = np.repeat(host["index"], G)
-      rows, scored, _ = self._score(out, lengths_R, index_R, lengths_R > 0, True)
-      if logps is not None:
-        rows["sampler_logps"] = sampler_rows(logps, lengths_R, out.shape[1])
-      times["sample_s"] += t1 - t0
-      times["reward_s"] += time.perf_counter() - t1
+      if self.agent is not None:  # episodes: their sampling and tools, then their scoring
+        rows, scored, _ = self._episodes(host, sampler, training=True, times=times)
+      else:
+        t0 = time.perf_counter()
+        lengths_R, out, logps = self._rollout(host, sampler, training=True)
+        t1 = time.perf_counter()
+        index_R = np.repeat(host["index"], G)
+        rows, scored, _ = self._score(out, lengths_R, index_R, lengths_R > 0, True)
+        if logps is not None:
+          rows["sampler_logps"] = sampler_rows(logps, lengths_R, out.shape[1])
+        times["sample_s"] += t1 - t0
+        times["reward_s"] += time.perf_counter() - t1
       parts.append((rows, scored))
       if not s.filter_tied_groups:
         break
@@ -692,11 +761,15 @@ class GRPO(tasks.Task):
       batch = next(iter(data.eval_batches(data.eval, batch_size=cfg.train.batch_size)))
     batch = {k: np.asarray(v)[:count] for k, v in batch.items()}
     training = split == "train"
-    lengths_R, out, _ = self._rollout(batch, self._sampler_params(params), training=training)
     G = self.s.group_size if training else 1
     index_R = np.repeat(batch["index"], G)
-    valid = lengths_R > 0
-    _, scored, texts = self._score(out, lengths_R, index_R, valid, training)
+    if self.agent is not None:  # each episode turn by turn
+      _, scored, texts = self._episodes(batch, self._sampler_params(params), training=training)
+      valid = scored["valid"] > 0
+    else:
+      lengths_R, out, _ = self._rollout(batch, self._sampler_params(params), training=training)
+      valid = lengths_R > 0
+      _, scored, texts = self._score(out, lengths_R, index_R, valid, training)
     records, _ = self._split("train" if training else "eval")
     shown = []
     for r in np.flatnonzero(valid):
@@ -739,28 +812,52 @@ class GRPO(tasks.Task):
       for k, v in record.items():
         if k != "prompt":
           fields.setdefault(k, []).append(v)
+    t = np.arange(L)[None]
+    end = (lengths_R + kept)[:, None]
+    segment_ids = ((t < end) & valid[:, None]).astype(np.int32)
+    model = (t >= lengths_R[:, None]) & (t < end)
+    rows, scored = self._rewarded(
+      out, segment_ids, model, kept, truncated, valid, (prompts, completions, fields), training
+    )
+    return rows, scored, texts
+
+  def _rewarded(self, tokens, segment_ids, model, kept, truncated, valid, scoring, training,
+                own=None):  # fmt: skip
+    """The training rows and what is logged of completions: `tokens` [R, L] (a row's prompt and
+    completion, `segment_ids` over them), `model` [R, L] the tokens trained on (the completion's,
+    an episode's model tokens), `kept` [R] how many, `truncated`, `valid` [R]; `scoring`: the
+    valid rows' (prompts, completions, fields) for the reward functions; `own`: the values of
+    the rewards that are an episode's own (no fn), by name."""
+    s, R = self.s, len(valid)
+    prompts, completions, fields = scoring
+    live = np.flatnonzero(valid)
+    split = "train" if training else "eval"
     if any(len(v) != len(live) for v in fields.values()):
       raise UserError(
         f"The {split} prompt records do not all have the same fields ({', '.join(fields)}): "
         "the rewards take each field as one list, a value a completion."
       )
     per_fn = np.zeros((R, len(self.rewards)))
-    per_fn[live] = rewards_lib.score(self.rewards, prompts, completions, fields).T
+    called = [f for f, r in enumerate(self.rewards) if r.fn is not None]
+    if called:
+      values = rewards_lib.score([self.rewards[f] for f in called], prompts, completions, fields)
+      per_fn[np.ix_(live, called)] = values.T
+    for f, r in enumerate(self.rewards):
+      if r.fn is None:
+        per_fn[:, f] = own[r.name] * valid
     reward = per_fn @ np.asarray([r.weight for r in self.rewards])
     overlong = np.zeros(R)
     if training and s.soft_punish_cache:  # DAPO's soft overlong punishment (training only)
-      overlong = s.soft_punish_factor * soft_overlong(kept, N, s.soft_punish_cache) * valid
+      cap = completion_cap(s)
+      overlong = s.soft_punish_factor * soft_overlong(kept, cap, s.soft_punish_cache) * valid
       reward = reward + overlong
     if s.truncated == "penalize":
       reward = np.where(truncated, s.truncated_reward, reward)
-    t = np.arange(L)[None]
-    end = (lengths_R + kept)[:, None]
-    segment_ids = ((t < end) & valid[:, None]).astype(np.int32)
-    loss_weights = ((t >= lengths_R[:, None]) & (t < end)).astype(np.float32)
+    loss_weights = model.astype(np.float32)
     if s.truncated == "mask":
       loss_weights = loss_weights * ~truncated[:, None]
     rows = {
-      "tokens": np.where(segment_ids > 0, out, 0).astype(np.int32),
+      "tokens": np.where(segment_ids > 0, tokens, 0).astype(np.int32),
       "segment_ids": segment_ids,
       "loss_weights": loss_weights * valid[:, None],
     }
@@ -773,6 +870,75 @@ class GRPO(tasks.Task):
     }
     if training and s.soft_punish_cache:
       scored["overlong_penalty"] = overlong.astype(np.float32)
+    return rows, scored
+
+  def _episodes(self, host, params, *, training: bool, times=None):
+    """Like `_rollout` then `_score`, for episodes with tools (common/tasks/episodes.py): a
+    training batch's prompts each played group_size times, sampled; a held-out batch's once,
+    greedy. (rows, scored, transcripts): the rows' loss weights on the model's tokens only, and
+    `scored` with each episode's turns, calls, tool errors and tokens beside its rewards."""
+    s = self.s
+    t0 = time.perf_counter()
+    G = s.group_size if training else 1
+    split = "train" if training else "eval"
+    records, _ = self._split(split)
+    lengths = host["segment_ids"].sum(axis=1)
+    index_R = np.repeat(host["index"], G)
+    valid = np.repeat(lengths > 0, G)
+    if training:
+      keys = jax.vmap(jax.random.key)(jnp.asarray(np.repeat(host["seed"], G), jnp.uint32))
+      keys = jax.vmap(jax.random.fold_in)(keys, jnp.tile(jnp.arange(G), len(host["seed"])))
+    else:  # greedy: the keys are not read
+      keys = jax.vmap(jax.random.key)(jnp.zeros(len(index_R), jnp.uint32))
+    live = np.flatnonzero(valid)
+    starts = []
+    for r in live:
+      record = records[index_R[r]]
+      fields = {k: v for k, v in record.items() if k != "prompt"}
+      starts.append((record["prompt"], fields, keys[r]))
+    settings = episodes.settings_of(s, greedy=not training)
+    seq_len = self._data_cfg.seq_len
+    make = episodes.engine_for(self._graphdef, params, settings)
+    played = self.agent.run(starts, settings, engine_for=make, max_prompt=seq_len)
+    t1 = time.perf_counter()
+    R = len(valid)
+    full = [None] * R
+    for r, ep in zip(live, played, strict=True):
+      full[r] = ep
+    widest = max((len(ep.tokens) for ep in played), default=1)
+    width = min(engine.bucket(widest, minimum=engine.PROMPT_BUCKET),
+                seq_len + s.max_episode_tokens)  # fmt: skip
+    laid = episodes.rows(full, width)
+    kept = np.zeros(R, np.int32)
+    truncated = np.zeros(R, bool)
+    kept[live] = [ep.model_tokens for ep in played]
+    truncated[live] = [ep.truncated for ep in played]
+    prompts = [p for p, _, _ in starts]
+    completions = [ep.messages for ep in played]
+    fields = {}
+    for _, f, _ in starts:
+      for k, v in f.items():
+        fields.setdefault(k, []).append(v)
+    own = {}
+    if any(r.name == "environment" and r.fn is None for r in self.rewards):
+      own["environment"] = np.zeros(R)
+      own["environment"][live] = episodes.environment_rewards(played)
+    if any(r.name == "call_format" and r.fn is None for r in self.rewards):
+      own["call_format"] = np.zeros(R)
+      own["call_format"][live] = episodes.template_format_share(played)
+    rows, scored = self._rewarded(
+      laid["tokens"], laid["segment_ids"], laid["model"], kept, truncated, valid,
+      (prompts, completions, fields), training, own,
+    )  # fmt: skip
+    for k, v in episodes.stats(played).items():
+      scored[k] = np.zeros(R, np.float32)
+      scored[k][live] = v
+    texts = [""] * R
+    for r, ep in zip(live, played, strict=True):
+      texts[r] = episodes.transcript(ep)
+    if times is not None:
+      times["sample_s"] += t1 - t0
+      times["reward_s"] += time.perf_counter() - t1
     return rows, scored, texts
 
   def _place(self, arrays: dict) -> dict:
@@ -800,6 +966,11 @@ class GRPO(tasks.Task):
       m[f"reward/{r.name}"] = float(scored["rewards"][:, f].mean())
     if "overlong_penalty" in scored:
       m["overlong_penalty"] = float(scored["overlong_penalty"].mean())
+    if "turns" in scored:  # episodes: means per episode, and the share of calls that parsed
+      for k in episodes.stats([]):
+        m[k] = float(scored[k].mean())
+      tried = scored["tool_calls"].sum() + scored["unparsed_turns"].sum()
+      m["calls_parsed"] = float(scored["tool_calls"].sum() / tried) if tried else 1.0
     for k, v in m.items():
       self._metrics.setdefault(k, []).append(v)
 

@@ -65,6 +65,16 @@ def chat(args, cfg):
     raise UserError(f"`zoo chat` talks to a decoder; {args.workdir} holds a {tasks.of(cfg).name}.")
   template = chat_data.template(cfg.data)
   tokenizer = tokenizers.load(cfg.data.tokenizer)
+  toolset, schemas = {}, None
+  if getattr(args, "tools", None):
+    from nnx_zoo.common.tasks import tool_calls
+    from nnx_zoo.common.tasks import tools as tools_lib
+
+    if not tool_calls.takes_tools(template.source):
+      raise UserError(f"The chat template of {args.workdir} takes no tools: leave --tools out.")
+    toolset = {t.name: t for t in tools_lib.load_tools(args.tools, what="--tools")}
+    schemas = [t.schema for t in toolset.values()]
+    reader = tool_calls.reader(template.source)
   options = sampling_options(args)
   rng = options.pop("rng")
   messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -94,7 +104,8 @@ def chat(args, cfg):
     )  # fmt: skip
 
     def encode(messages):
-      return tokenizer.encode_chat(template.render(messages, add_generation_prompt=True))[0]
+      text = template.render(messages, add_generation_prompt=True, tools=schemas)
+      return tokenizer.encode_chat(text)[0]
 
     def ready(prompt_len):
       graphdef, weights_, _ = restored.result()
@@ -117,8 +128,27 @@ def chat(args, cfg):
       end = template.end_of_turn
       return text.split(end)[0] if end else text
 
+    def reply(messages, rng):
+      """The model's answer; with --tools, its calls run between its turns (each call and its
+      result on stderr, appended to `messages`) until a turn makes none (at most MAX_TOOL_TURNS)."""
+      for turn in range(MAX_TOOL_TURNS):
+        text = answer(messages, jax.random.fold_in(rng, turn) if turn else rng)
+        reading = reader.read(text) if toolset else None
+        if not reading or not reading.calls:
+          return text
+        calls = [
+          {"type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+          for c in reading.calls
+        ]
+        messages.append({"role": "assistant", "content": reading.content, "tool_calls": calls})
+        for c in reading.calls:
+          got = tools_lib.run(toolset, c.name, c.arguments, timeout_s=TOOL_TIMEOUT_S)
+          print(f"[{c.name}({c.arguments}) -> {got.content}]", file=sys.stderr, flush=True)
+          messages.append({"role": "tool", "name": c.name, "content": got.content})
+      return text
+
     if args.messages is not None:
-      print(answer(messages, rng))
+      print(reply(messages, rng))
       return
     print("(an empty line or end of input ends the conversation)", file=sys.stderr)
     for turn in itertools.count():
@@ -127,12 +157,14 @@ def chat(args, cfg):
       if not line.strip():
         return
       messages.append({"role": "user", "content": line.rstrip("\n")})
-      reply = answer(messages, jax.random.fold_in(rng, turn))
-      print(reply, flush=True)
-      messages.append({"role": "assistant", "content": reply})
+      said = reply(messages, jax.random.fold_in(rng, turn))
+      print(said, flush=True)
+      messages.append({"role": "assistant", "content": said})
 
 
 CHAT_MAX_LEN = 4096  # the longest conversation `zoo chat` holds (its cache grows as it goes)
+MAX_TOOL_TURNS = 8  # `zoo chat --tools`: the model's turns for one answer, calls between them
+TOOL_TIMEOUT_S = 30.0  # a call's time limit there
 
 
 def sampling_options(args) -> dict:

@@ -28,7 +28,8 @@ from nnx_zoo.common import engine, models
 from nnx_zoo.common.data import chat
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import weights
-from nnx_zoo.common.serve import app, model, protocol, text, tool_calls
+from nnx_zoo.common.serve import app, model, protocol, text
+from nnx_zoo.common.tasks import tool_calls
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
