@@ -286,6 +286,14 @@ def _decode_fn(graphdef, treedef, cache_def, variant: _Variant, steps: int):
   return run
 
 
+def min_decode_rows(model) -> int:
+  """The fewest rows a decode step computes: 2 for a bfloat16 model on a CPU, whose bf16 dots
+  XLA:CPU runs fast (YNNPACK) only with at least two rows (one row copies out each converted
+  weight on every call: a step 9x fp32's on SmolLM2, bench/serve.py), else 1."""
+  bf16 = any(getattr(m, "dtype", None) == jnp.bfloat16 for _, m in nnx.iter_graph(model))
+  return 2 if bf16 and jax.default_backend() == "cpu" else 1
+
+
 def _grow_fn(length: int):
   """The cache padded to `length` tokens a row (what it held kept)."""
 
@@ -337,6 +345,7 @@ class Engine:
     self.prefill_chunk, self.decode_steps = max(1, prefill_chunk), max(1, decode_steps)
     self._model = nnx.merge(graphdef, params)  # only its shapes are read: nothing computed
     self._token_bytes = self._bytes_per_token()
+    self._min_rows = min_decode_rows(self._model)
     # The programs take and give the cache as its leaves (jax.export keeps no custom trees).
     self._cache_def = jax.tree.structure(jax.eval_shape(lambda: self._model.init_cache(1, 1)))
     if check_memory:
@@ -612,7 +621,7 @@ class Engine:
     self._ensure_cache(max(len(r.prompt) + len(r.generated) for r in reqs) + steps)
     # The first S slots, a power of two covering every running one: idle rows past them cost
     # nothing (admission fills the lowest free slots first).
-    S = min(_pow2(max(r.slot for r in reqs) + 1), self.slots)
+    S = min(_pow2(max(max(r.slot for r in reqs) + 1, self._min_rows)), self.slots)
     active = np.zeros(S, bool)
     keys = np.zeros((S, *reqs[0].key.shape), np.uint32)
     temp, top_p = np.zeros(S, np.float32), np.ones(S, np.float32)
