@@ -109,7 +109,9 @@ async def one_request(client, url, prompt, max_tokens, model):
 async def load(url, model, texts, concurrency, max_tokens):
   """Each of `concurrency` users sends its share of `texts` one after the other."""
   results = []
-  async with httpx.AsyncClient() as client:
+  # A connection a request: llama-server closes idle keep-alive connections, which a pooled
+  # client would reuse and find closed.
+  async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0)) as client:
 
     async def user(k):
       for text in texts[k::concurrency]:
@@ -162,7 +164,7 @@ def ttft_under_load(workdir, max_len, texts, max_tokens):
   short = " ".join(texts[0].split()[:8])
 
   async def run():
-    async with httpx.AsyncClient() as client:
+    async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0)) as client:
       idle = [await one_request(client, c.url, short, 4, "m") for _ in range(4)][1:]
       streams = [asyncio.create_task(one_request(client, c.url, t, max_tokens * 4, "m"))
                  for t in texts[:8]]  # fmt: skip
