@@ -335,6 +335,7 @@ class Engine:
     prefill_chunk: int = 256,
     decode_steps: int = 1,
     check_memory: bool = True,
+    persist: bool = True,
   ):
     if slots < 1 or max_len < 2:
       raise UserError(f"slots={slots}, max_len={max_len}: give at least 1 slot of 2 tokens.")
@@ -343,6 +344,7 @@ class Engine:
     self._leaves, self._treedef = jax.tree.flatten(params)
     self.slots, self.max_len = slots, max_len
     self.prefill_chunk, self.decode_steps = max(1, prefill_chunk), max(1, decode_steps)
+    self.persist = persist
     self._model = nnx.merge(graphdef, params)  # only its shapes are read: nothing computed
     self._token_bytes = self._bytes_per_token()
     self._min_rows = min_decode_rows(self._model)
@@ -489,8 +491,10 @@ class Engine:
     shapes = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args[1:]))
     local = (name, static, shapes)  # this engine's model: hashing its graph costs ~50 ms a step
     if local not in self._programs:
-      key = (name, static, self.graphdef, self._treedef, self._cache_def, shapes)
-      if key not in _PROGRAMS:
+      key = (name, static, self.graphdef, self._treedef, self._cache_def, shapes, self.persist)
+      if key not in _PROGRAMS and not self.persist:
+        _PROGRAMS[key] = jax.jit(make(), donate_argnums=(1,))
+      elif key not in _PROGRAMS:
         static_all = (static, self.graphdef, self._treedef, self._cache_def)
         _PROGRAMS[key] = programs.load(f"engine-{name}", make(), args, static=static_all,
                                        donate=(1,))  # fmt: skip
@@ -743,6 +747,7 @@ def continue_rows(
   stop_ids: tuple[int, ...] = (),
   prefill: int | None = None,
   logprobs: bool = False,
+  persist: bool = False,
 ):
   """Rows of prompts of different lengths continued on an engine with a slot a row: [B, P +
   max_new_tokens], row b its prompt (the first `lengths_B[b]` tokens of `prompt_BP`; a row of
@@ -761,7 +766,7 @@ def continue_rows(
   out[:, :P] = np.where(np.arange(P) < lengths_B[:, None], prompt_BP, fill)
   logps = np.zeros((B, max(max_new_tokens, 0)), np.float32)
   if max_new_tokens >= 1:
-    engine = _static_engine(graphdef, params, B, P, max_new_tokens)
+    engine = _static_engine(graphdef, params, B, P, max_new_tokens, persist=persist)
     options = SamplingParams(
       max_new_tokens, float(temperature), int(top_k), float(top_p), stop_ids=stops,
       logprobs=0 if logprobs else None,
@@ -783,13 +788,16 @@ def continue_rows(
   return (out, logps) if logprobs else out
 
 
-def _static_engine(graphdef, params, batch: int, prompt_len: int, max_new_tokens: int) -> Engine:
+def _static_engine(
+  graphdef, params, batch: int, prompt_len: int, max_new_tokens: int, *, persist: bool = False
+) -> Engine:
   """The engine a static batch runs on: a slot a row, the cache a power of two long (batches of
-  nearby lengths share programs), each prompt read in one chunk."""
+  nearby lengths share programs), each prompt read in one chunk. `persist`: its programs kept
+  across processes (`zoo generate`'s; a training run's rollouts compile in their process)."""
   length = _pow2(prompt_len + max_new_tokens, MIN_CACHE)
   return Engine(
     (graphdef, params), slots=batch, max_len=length, prefill_chunk=1024, check_memory=False,
-    decode_steps=STATIC_DECODE_STEPS,
+    decode_steps=STATIC_DECODE_STEPS, persist=persist,
   )  # fmt: skip
 
 
@@ -811,7 +819,7 @@ def prepare(
   del rng, stop_ids  # neither shapes a program
   if max_new_tokens >= 1:
     graphdef, params = _split(model_or_split, seq2seq=False)
-    eng = _static_engine(graphdef, params, batch, prompt_len, max_new_tokens)
+    eng = _static_engine(graphdef, params, batch, prompt_len, max_new_tokens, persist=True)
     truncate = temperature > 0 and (top_k > 0 or top_p < 1)
     eng.prepare(prompt_len, max_new_tokens, rows=batch, truncate=truncate)
 
@@ -830,15 +838,15 @@ def generate(
   """The prompt followed by `max_new_tokens` sampled tokens: [B, P + max_new_tokens]. A row that
   writes one of `stop_ids` (an end-of-turn token) stops there, the rest of it filled with the
   first stop id. Row b samples with the key split(rng, B)[b]."""
+  if max_new_tokens < 1:
+    return jnp.asarray(prompt_BP, jnp.int32)
   graphdef, params = _split(model_or_split, seq2seq=False)
   prompt_BP = np.asarray(jax.device_get(prompt_BP), np.int32)
   B, P = prompt_BP.shape
-  if max_new_tokens < 1:
-    return jnp.asarray(prompt_BP)
   out = continue_rows(
     params, prompt_BP, np.full(B, P, np.int32), jax.random.split(rng, B), graphdef=graphdef,
     max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-    stop_ids=stop_ids,
+    stop_ids=stop_ids, persist=True,
   )  # fmt: skip
   return jnp.asarray(out)
 
