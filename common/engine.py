@@ -335,7 +335,7 @@ class Engine:
     prefill_chunk: int = 256,
     decode_steps: int = 1,
     check_memory: bool = True,
-    persist: bool = False,
+    persist: bool = True,
   ):
     if slots < 1 or max_len < 2:
       raise UserError(f"slots={slots}, max_len={max_len}: give at least 1 slot of 2 tokens.")
