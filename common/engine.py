@@ -313,6 +313,14 @@ def _grow_fn(length: int):
 _PROGRAMS: dict = {}  # the engines' compiled programs, by what shapes them
 
 
+def _on_device(leaves):
+  """The weights as device arrays: host arrays (a restored checkpoint's numpy leaves) put on the
+  device once, not copied in at every step (a SmolLM2 decode step: 90 against 26 ms)."""
+  return [
+    x if isinstance(x, jax.Array | jax.ShapeDtypeStruct) else jax.device_put(x) for x in leaves
+  ]
+
+
 def _replicated(leaves):
   """A sharding replicating over the mesh the weights are laid out on (None off a mesh)."""
   for leaf in leaves:
@@ -341,7 +349,8 @@ class Engine:
       raise UserError(f"slots={slots}, max_len={max_len}: give at least 1 slot of 2 tokens.")
     graphdef, params = _split(model_or_split, seq2seq=False)
     self.graphdef = graphdef
-    self._leaves, self._treedef = jax.tree.flatten(params)
+    leaves, self._treedef = jax.tree.flatten(params)
+    self._leaves = _on_device(leaves)
     self.slots, self.max_len = slots, max_len
     self.prefill_chunk, self.decode_steps = max(1, prefill_chunk), max(1, decode_steps)
     self.persist = persist
@@ -416,7 +425,7 @@ class Engine:
     leaves, treedef = jax.tree.flatten(params)
     if treedef != self._treedef:
       raise UserError("set_weights: the new weights are not the tree the engine was built with.")
-    self._leaves = leaves
+    self._leaves = _on_device(leaves)
     self._held = [[] for _ in range(self.slots)]
 
   def step(self) -> list[Output]:
