@@ -288,8 +288,8 @@ def _decode_fn(graphdef, treedef, cache_def, variant: _Variant, steps: int):
 
 def min_decode_rows(model) -> int:
   """The fewest rows a decode step computes: 2 for a bfloat16 model on a CPU, whose bf16 dots
-  XLA:CPU runs fast (YNNPACK) only with at least two rows (one row copies out each converted
-  weight on every call: a step 9x fp32's on SmolLM2, bench/serve.py), else 1."""
+  XLA:CPU sends to YNNPACK only with at least two rows (reported for jax 0.12; on jax 0.10 a
+  bf16 SmolLM2 step measured 9x fp32's at one row and 5x at eight, bench/RESULTS.md), else 1."""
   bf16 = any(getattr(m, "dtype", None) == jnp.bfloat16 for _, m in nnx.iter_graph(model))
   return 2 if bf16 and jax.default_backend() == "cpu" else 1
 
