@@ -47,7 +47,7 @@ def load(spec: str) -> list[Reward]:
         f"grpo.reward {part!r} names no function: write FILE.py:NAME or module:NAME (e.g. "
         "nnx_zoo.common.tasks.rewards:exact_answer)."
       )
-    fn = getattr(_module(where, part), attr, None)
+    fn = getattr(user_module(where, part), attr, None)
     if not callable(fn):
       raise UserError(f"grpo.reward {part!r}: {where} has no function {attr!r}.")
     out.append(Reward(attr, fn, weight))
@@ -62,25 +62,27 @@ def load(spec: str) -> list[Reward]:
   return out
 
 
-def _module(where: str, part: str):
+def user_module(where: str, part: str, what: str = "grpo.reward"):
+  """The module `where` names: a FILE.py (imported from its path) or a module name; `part` and
+  `what` (the config key) name it in the one-line error when it does not import. Rewards,
+  tools and environments are read through it."""
   if where.endswith(".py"):
     path = os.path.abspath(os.path.expanduser(where))
     if not os.path.isfile(path):
-      raise UserError(f"grpo.reward {part!r}: {where} is not a file.")
-    # One module a file, named by its path: two rewards files called rewards.py do not clash.
-    name = "nnx_zoo_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+      raise UserError(f"{what} {part!r}: {where} is not a file.")
+    # One module a file, named by its path: two files called rewards.py do not clash.
+    name = "nnx_zoo_user_" + hashlib.sha1(path.encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     try:
       spec.loader.exec_module(module)
     except Exception as e:
-      msg = f"grpo.reward {part!r}: {where} fails to import ({type(e).__name__}: {e})."
-      raise UserError(msg) from e
+      raise UserError(f"{what} {part!r}: {where} fails to import ({type(e).__name__}: {e}).") from e
     return module
   try:
     return importlib.import_module(where)
   except ImportError as e:
-    raise UserError(f"grpo.reward {part!r}: module {where!r} does not import ({e}).") from None
+    raise UserError(f"{what} {part!r}: module {where!r} does not import ({e}).") from None
 
 
 def score(rewards: list[Reward], prompts: list, completions: list, fields: dict) -> np.ndarray:

@@ -15,16 +15,13 @@ of either.
 """
 
 import dataclasses
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import json
-import os
 import threading
 from collections.abc import Callable
 
 from nnx_zoo.common.errors import UserError
+from nnx_zoo.common.tasks import rewards
 
 NOT_TOOLS = ("reset", "reward", "get_reward")  # an environment's methods that are not tools
 
@@ -51,31 +48,11 @@ def schema_of(fn, where: str) -> dict:
     ) from None
 
 
-def _module(where: str, part: str, what: str):
-  if where.endswith(".py"):
-    path = os.path.abspath(os.path.expanduser(where))
-    if not os.path.isfile(path):
-      raise UserError(f"{what} {part!r}: {where} is not a file.")
-    # One module a file, named by its path: two files called tools.py do not clash.
-    name = "nnx_zoo_tools_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-      spec.loader.exec_module(module)
-    except Exception as e:
-      raise UserError(f"{what} {part!r}: {where} fails to import ({type(e).__name__}: {e}).") from e
-    return module
-  try:
-    return importlib.import_module(where)
-  except ImportError as e:
-    raise UserError(f"{what} {part!r}: module {where!r} does not import ({e}).") from None
-
-
 def _named(part: str, what: str):
   where, _, attr = part.rpartition(":")
   if not where or not attr:
     raise UserError(f"{what} {part!r} names nothing: write FILE.py:NAME or module:NAME.")
-  module = _module(where, part, what)
+  module = rewards.user_module(where, part, what)
   if not hasattr(module, attr):
     raise UserError(f"{what} {part!r}: {where} has no {attr!r}.")
   return getattr(module, attr)
