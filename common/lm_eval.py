@@ -327,12 +327,9 @@ def _eos_ids(cfg, workdir: str, tokenizer) -> list[int]:
   them (else the HF config's), else the tokenizer's."""
   from nnx_zoo.common.hub import generation
 
-  config = generation.read(workdir)
-  if config is None and "source" in cfg and "config" in cfg.source:
-    config = cfg.source.config.to_dict()
-  value = (config or {}).get("eos_token_id")
-  if value is not None:
-    return [int(i) for i in (value if isinstance(value, list | tuple) else [value])]
+  ids = generation.end_ids(cfg, workdir)
+  if ids is not None:
+    return list(ids)
   return [] if tokenizer.eos_id is None else [tokenizer.eos_id]
 
 

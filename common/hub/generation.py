@@ -39,6 +39,17 @@ def read(workdir: str) -> dict | None:
     raise UserError(f"{path} is not a JSON file ({e}).") from None
 
 
+def end_ids(cfg, workdir: str) -> tuple[int, ...] | None:
+  """The end tokens a converted model names: generation_config.json's `eos_token_id`, as
+  transformers' generate reads it, else its HF config's; None where neither names any (a zoo
+  run)."""
+  config = read(workdir)
+  if config is None and "source" in cfg and "config" in cfg.source:
+    config = cfg.source.config.to_dict()
+  value = (config or {}).get("eos_token_id")
+  return None if value is None else _ids(value)
+
+
 def _ids(value) -> tuple[int, ...]:
   if value is None:
     return ()

@@ -49,11 +49,7 @@ def context_length(cfg) -> int:
 
 def eos_ids(cfg, workdir: str, tokenizer) -> tuple[int, ...]:
   """The end tokens: generation_config.json's (else the HF config's) and the tokenizer's."""
-  config = generation.read(workdir)
-  if config is None and "source" in cfg and "config" in cfg.source:
-    config = cfg.source.config.to_dict()
-  value = (config or {}).get("eos_token_id")
-  ids = [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
+  ids = [*(generation.end_ids(cfg, workdir) or ())]
   if tokenizer.eos_id is not None:
     ids.append(tokenizer.eos_id)
   return tuple(dict.fromkeys(int(i) for i in ids))
