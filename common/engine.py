@@ -355,10 +355,14 @@ class Engine:
     self.prefill_chunk, self.decode_steps = max(1, prefill_chunk), max(1, decode_steps)
     self.persist = persist
     self._model = nnx.merge(graphdef, params)  # only its shapes are read: nothing computed
-    self._token_bytes = self._bytes_per_token()
+    # A one-token cache's shapes: its bytes a token, and its tree (the programs take and give the
+    # cache as its leaves: jax.export keeps no custom trees).
+    one = jax.eval_shape(lambda: self._model.init_cache(1, 1))
+    self._token_bytes = sum(
+      math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(one) if len(x.shape) > 1
+    )
+    self._cache_def = jax.tree.structure(one)
     self._min_rows = min_decode_rows(self._model)
-    # The programs take and give the cache as its leaves (jax.export keeps no custom trees).
-    self._cache_def = jax.tree.structure(jax.eval_shape(lambda: self._model.init_cache(1, 1)))
     if check_memory:
       self._check_memory()
     self._cache = None
@@ -396,6 +400,7 @@ class Engine:
     random seed."""
     prompt = [int(t) for t in np.asarray(prompt).reshape(-1)]
     params.check()
+    params = dataclasses.replace(params, stop_ids=stop_tuple(params.stop_ids))  # read each step
     if not prompt:
       raise UserError("The prompt is empty: give at least one token.")
     if len(prompt) + params.max_tokens > self.max_len:
@@ -447,12 +452,6 @@ class Engine:
     return dict(tokens)
 
   # inside
-
-  def _bytes_per_token(self) -> int:
-    shapes = jax.eval_shape(lambda: self._model.init_cache(1, 1))
-    return sum(
-      math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes) if len(x.shape) > 1
-    )
 
   def _check_memory(self):
     budget = device_memory.budget()
@@ -645,7 +644,7 @@ class Engine:
       active[s], keys[s] = True, r.key
       temp[s], top_k[s], top_p[s] = r.params.temperature, r.params.top_k, r.params.top_p
       limit[s] = len(r.prompt) + r.params.max_tokens
-      ids = stop_tuple(r.params.stop_ids)
+      ids = r.params.stop_ids
       stops[s, : len(ids)] = ids
     variant = self._variant(reqs)
     last = self._last[:S].copy()
@@ -656,7 +655,7 @@ class Engine:
     token_SN, lp_SN, topi, topl = jax.device_get(out[1:])
     outputs = []
     for r in reqs:
-      s, stops_r = r.slot, stop_tuple(r.params.stop_ids)
+      s, stops_r = r.slot, r.params.stop_ids
       new, lps, tops = [], [], []
       for j in range(steps):
         if len(r.generated) + len(new) >= r.params.max_tokens or (new and new[-1] in stops_r):
@@ -690,7 +689,7 @@ class Engine:
       r.reported = True
       if p.prompt_logprobs:
         out.prompt_logprobs, out.prompt_top_logprobs = r.prompt_lps, r.prompt_tops
-    if tokens and tokens[-1] in stop_tuple(p.stop_ids):
+    if tokens and tokens[-1] in p.stop_ids:
       self._release(r)
       out.finish_reason = "stop"
     elif len(r.generated) >= p.max_tokens:
