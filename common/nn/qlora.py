@@ -207,11 +207,16 @@ def _late_bwd(kind, dtype, q, res, g_MF):
 _late.defvjp(_late_fwd, _late_bwd)
 
 
-def _block_linears(model: nnx.Module):
+def _block_linears(model: nnx.Module, layer: str | None = None):
+  """The Linears in the blocks of `model` whose kernel is not yet stored quantized, by path;
+  `layer`: `model` is itself one layer (every Linear of it counts), at that path."""
   # A Linear is the node with a `base_quant` (common/nn/linear.py, which imports this module).
   for path, node in nnx.iter_graph(model):
-    if isinstance(getattr(node, "base_quant", None), str) and is_kernel((*path, "kernel")):
-      yield ".".join(map(str, path)), node
+    if isinstance(getattr(node, "base_quant", None), str) and not node.base_quant:
+      if layer is not None:
+        yield ".".join(map(str, (layer, *path))), node
+      elif is_kernel((*path, "kernel")):
+        yield ".".join(map(str, path)), node
 
 
 def apply(model: nnx.Module, lora_cfg) -> nnx.Module:
@@ -232,13 +237,17 @@ def apply(model: nnx.Module, lora_cfg) -> nnx.Module:
   return model
 
 
-def store(model: nnx.Module, kind: str, *, key: str = "model.lora.base_quant") -> nnx.Module:
+def store(
+  model: nnx.Module, kind: str, *, key: str = "model.lora.base_quant", layer: str | None = None
+) -> nnx.Module:
   """Stores the kernel of every Linear in the blocks of `model` quantized as `kind` ("": as it
-  is), with no adapters asked for: `apply`'s body, and a frozen model's (a distillation teacher,
-  whose setting `key` names in errors)."""
+  is), with no adapters asked for: `apply`'s body, a frozen model's (a distillation teacher,
+  whose setting `key` names in errors), and each layer's as the stack builds it (`layer`: its
+  path; `model` is that one layer), so a fresh init never holds the fp32 kernels of more than
+  one layer. A kernel already stored quantized is left as it is."""
   if not kind:
     return model
-  linears = list(_block_linears(model))
+  linears = list(_block_linears(model, layer))
   for path, lin in linears:
     shape = lin.kernel.shape
     if shape[-2] % BLOCK:

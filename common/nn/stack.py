@@ -5,7 +5,7 @@ import ml_collections
 from flax import nnx
 
 from nnx_zoo.common.errors import UserError
-from nnx_zoo.common.nn import block, memory, position, stacking
+from nnx_zoo.common.nn import block, memory, position, qlora, stacking
 
 # What a layer kind may change: fields of the attention config (merged), the position encoding
 # and the MLP (each replaced whole, so config modifiers that rewrite a kind of position reach it,
@@ -103,8 +103,15 @@ class BlockStack(nnx.Module):
     model itself), which names its parameters' running gradient sums (common/nn/accumulate.py)."""
     block.check_placement(cfg)
     self.path = tuple(path)
+    # Under QLoRA each layer's kernels are stored quantized as soon as it is built (the values
+    # those of quantizing the whole model afterwards), so a fresh init holds one layer in fp32.
+    base_quant = cfg.lora.base_quant if "lora" in cfg else ""
     blocks = [
-      block.Block(layer_config(cfg, i), cross_attention=cross_attention, rngs=rngs)
+      qlora.store(
+        block.Block(layer_config(cfg, i), cross_attention=cross_attention, rngs=rngs),
+        base_quant,
+        layer=".".join(map(str, (*path, stacking.BLOCKS, i))),
+      )
       for i in range(cfg.num_layers)
     ]
     self.remat, self.scan = cfg.remat, cfg.scan

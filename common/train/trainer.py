@@ -223,6 +223,12 @@ def start_state(cfg, tx, layout, workdir: str):
       ckpts.close()
     if state is not None:
       return state, shardings
+  if not cfg.init_from and cfg.model.lora.get("base_quant") and jax.process_count() == 1:
+    # A fresh QLoRA model built op by op, then placed: the stack quantizes each layer as it is
+    # built, so one layer's fp32 kernels are held at a time. Jitted, XLA schedules every
+    # layer's random kernels before their quantization (a Qwen2.5-1.5B-shaped nf4 init:
+    # 13.12 GiB of temporaries; tests/common/test_qlora_memory.py).
+    return jax.device_put(steps.init_state(cfg, tx)[1], shardings), shardings
   if not cfg.init_from:
     return jax.jit(lambda: steps.init_state(cfg, tx)[1], out_shardings=shardings)(), shardings
   # init_from's weights, each read once (a QLoRA base quantized as it is read); of the fresh

@@ -73,6 +73,35 @@ def test_a_qlora_forward_holds_one_layers_dequantized_kernels(cache):
   assert grow < kernel_bytes(2) / 2, (grow, kernel_bytes(2))
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
+def test_a_fresh_qlora_init_quantizes_each_layer_as_it_is_built(monkeypatch, scan):
+  """The stack quantizes a layer's kernels as soon as it is built, so the fresh init (`zoo run`
+  without init_from builds a QLoRA model op by op) holds one layer's fp32 kernels at a time,
+  where building first and quantizing after held every layer's; the values are those of the
+  whole fp32 model quantized afterwards (today's QLoRA init), bit for bit."""
+  cfg, plain_cfg = experiment(3, "nf4").model, experiment(3, "").model
+  cfg.scan = plain_cfg.scan = scan
+  shapes = {(D, D), (D, F), (F, D)}
+  held = []  # at each quantization: the bytes of the fp32 kernels alive
+
+  def quantize(w, *, kind, _quantize=qlora.quantize):
+    live = [a for a in jax.live_arrays() if a.dtype == jnp.float32 and a.shape[-2:] in shapes]
+    held.append(sum(a.nbytes for a in live))
+    return _quantize(w, kind=kind)
+
+  monkeypatch.setattr(qlora, "quantize", quantize)
+  got = nnx.to_flat_state(nnx.state(models.build(cfg, seed=3)))
+  one_layer = kernel_bytes(1) + 256 * D * 4  # and the embedding table (vocab 256 x D), built first
+  assert len(held) == 3 * 7 and max(held) <= one_layer, (max(held), one_layer)
+  held.clear()
+  # Today's order: the whole model built in fp32 (its adapters too), then quantized.
+  want = nnx.to_flat_state(nnx.state(qlora.apply(models.build(plain_cfg, seed=3), cfg.lora)))
+  assert max(held) >= kernel_bytes(3) - kernel_bytes(1)  # what the test would catch
+  assert [k for k, _ in got] == [k for k, _ in want]
+  for (k, a), (_, b) in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(k))
+
+
 def test_frozen_embeddings_and_head_are_bf16_unless_asked():
   def dtypes(**lora_kw):
     cfg = llama.config("tiny", num_kv_heads=2)
