@@ -179,6 +179,7 @@ ADDED_LATER = {
   "data.rejected_max_tokens": 64,
   "data.max_records": 0,
   "data.pairs_per_row": "one",
+  "data.problems": "sums",
 }
 
 

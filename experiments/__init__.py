@@ -20,6 +20,7 @@ REGISTRY = {
     "chat/smollm2-shakespeare": "nnx_zoo.experiments.chat.smollm2_shakespeare",
     "chat/smollm2-shakespeare-dpo": "nnx_zoo.experiments.chat.smollm2_shakespeare_dpo",
     "chat/smollm2-arithmetic-grpo": "nnx_zoo.experiments.chat.smollm2_arithmetic_grpo",
+    "chat/qwen-calculator-grpo": "nnx_zoo.experiments.chat.qwen_calculator_grpo",
     "chat/dpo": "nnx_zoo.experiments.chat.dpo",
     "chat/distill": "nnx_zoo.experiments.chat.distill",
     "chat/smollm2-distill": "nnx_zoo.experiments.chat.smollm2_distill",

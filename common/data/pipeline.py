@@ -228,8 +228,8 @@ KINDS = ("shakespeare", "files", "shakespeare_genre", "arithmetic")
 def config(**kw) -> ml_collections.ConfigDict:
   """A data sub-config. kind: "shakespeare" (held out by play, or by the end of each play with
   eval_fraction), "files" (text, JSONL, Parquet, ... see common/data/sources.py),
-  "shakespeare_genre" (lines labelled by genre), "arithmetic" (sums as GRPO prompts, see
-  common/data/arithmetic.py), "prepared" (`zoo data prepare`'s shards)."""
+  "shakespeare_genre" (lines labelled by genre), "arithmetic" (sums or calculator problems as
+  GRPO prompts, see common/data/arithmetic.py), "prepared" (`zoo data prepare`'s shards)."""
   cfg = {
     "kind": "shakespeare",
     "eval_plays": "",
@@ -271,6 +271,8 @@ def config(**kw) -> ml_collections.ConfigDict:
     "pairs_per_row": "one",
     # Conversations, pairs or prompts: only the first max_records records of each split (0: all).
     "max_records": 0,
+    # kind="arithmetic": the problem set, "sums" or "calculator" (common/data/arithmetic.py).
+    "problems": "sums",
   }
   unknown = set(kw) - set(cfg)
   if unknown:
@@ -347,7 +349,13 @@ def _conversations(cfg, split: str) -> list[tuple[str, object]]:
       for i, record in enumerate(records(path, **read))
     ]
   if cfg.kind == "arithmetic" and cfg.format == "prompts":
-    return [(f"arithmetic {split} {i}", r) for i, r in enumerate(arithmetic.records(split))]
+    if cfg.problems not in arithmetic.PROBLEMS:
+      raise UserError(
+        f"data.problems={cfg.problems!r} is not a problem set of kind arithmetic: use one of "
+        f"{', '.join(map(repr, arithmetic.PROBLEMS))}."
+      )
+    problems = arithmetic.records(split, cfg.problems)
+    return [(f"arithmetic {split} {i}", r) for i, r in enumerate(problems)]
   raise UserError(
     f"data.format={cfg.format!r} reads conversations from the plays (kind shakespeare) or "
     f"from files (kind files), or prompts from kind arithmetic, not from data.kind={cfg.kind!r}."

@@ -185,10 +185,18 @@ def config(**kw) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(cfg)
 
 
-def token_logps(model, batch: dict, temperature: float = 1.0) -> jax.Array:
-  """[R, L - 1] log-probability of each next token of the rows (under logits / temperature)."""
+def token_logps(model, batch: dict, temperature: float = 1.0, loss_chunk: int = 0) -> jax.Array:
+  """[R, L - 1] log-probability of each next token of the rows (under logits / temperature);
+  `loss_chunk` (train.loss_chunk): the head run that many tokens at a time, the [R, L, V]
+  logits never whole (`losses.decoder_token_logps`)."""
   rows = losses.next_token_rows(batch)
-  logits = model(rows["inputs"], positions_BT=rows["positions"], segment_ids_BT=rows["segment_ids"])
+  inputs, pos, seg = rows["inputs"], rows["positions"], rows["segment_ids"]
+  if loss_chunk:
+    return losses.decoder_token_logps(
+      model, inputs, seg, rows["targets"], chunk=loss_chunk, positions_BT=pos,
+      temperature=temperature,
+    )
+  logits = model(inputs, positions_BT=pos, segment_ids_BT=seg)
   return -parallel.cross_entropy(logits.astype(jnp.float32) / temperature, rows["targets"])
 
 
@@ -379,12 +387,10 @@ class GRPO(tasks.Task):
   # The step
 
   def loss_sums(self, model, batch, *, loss_chunk=0):
-    if loss_chunk:
-      raise UserError("The grpo task sums each completion's tokens: set train.loss_chunk=0.")
     s = self.s
     rows = losses.next_token_rows(batch)
     w = rows["weights"]  # [R, L - 1]: the completion's tokens as targets
-    logp = token_logps(model, batch, s.temperature)
+    logp = token_logps(model, batch, s.temperature, loss_chunk)
     # The trainer's log-probs on the rollout's weights: the batch's (num_iterations > 1, taken
     # as the rollout was made), else the current ones detached (the same weights).
     old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logp)
@@ -564,7 +570,10 @@ class GRPO(tasks.Task):
       graphdef=sampler_graphdef, max_new_tokens=s.max_new_tokens, stop_ids=single
     )
     temperature = float(s.temperature)
-    self._trainer_logps = jax.jit(lambda p, b: token_logps(nnx.merge(graphdef, p), b, temperature))
+    chunk = cfg.train.loss_chunk
+    self._trainer_logps = jax.jit(
+      lambda p, b: token_logps(nnx.merge(graphdef, p), b, temperature, chunk)
+    )
     self._reference = None
     if s.beta:
       if not cfg.init_from:

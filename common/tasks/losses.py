@@ -109,19 +109,53 @@ def head_cross_entropy_sum(
   return total(params, x_MD)
 
 
+def _hidden_and_head(model, inputs_BT, segment_ids_BT, positions_BT):
+  """A decoder's `hidden` states [B, T, D] and its output head (`output_head`: the module and
+  the projection, the same as its `logits`, soft-cap included)."""
+  if not hasattr(model, "output_head"):
+    raise UserError(
+      f"train.loss_chunk needs a decoder with an output head ({type(model).__name__} has "
+      "none): set --config.train.loss_chunk=0."
+    )
+  x_BTD, _ = model.hidden(inputs_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
+  return x_BTD, *model.output_head()
+
+
+def decoder_token_logps(
+  model, inputs_BT, segment_ids_BT, targets_BT, *, chunk: int, positions_BT=None,
+  temperature: float = 1.0,
+) -> jax.Array:
+  """[B, T] log-probability of each target under the logits / `temperature`, the head run
+  `chunk` tokens at a time: each chunk's logits are made, reduced to its tokens' log-probs
+  and dropped, and made again in the backward pass (`jax.checkpoint`), so the [B, T, V]
+  logits and their gradient never exist whole. For losses that are not a sum of
+  cross-entropies (GRPO's ratios), where `head_cross_entropy_sum`'s gradient-in-the-forward
+  does not apply: the head's matmuls run four times a chunk, not three."""
+  x_BTD, head, project = _hidden_and_head(model, inputs_BT, segment_ids_BT, positions_BT)
+  B, T, D = x_BTD.shape
+  M = B * T
+  chunk = min(chunk, M)
+  pad = -M % chunk
+  x_MD = jnp.pad(x_BTD.reshape(M, D), ((0, pad), (0, 0)))
+  targets_JC = jnp.pad(targets_BT.reshape(M), (0, pad)).reshape(-1, chunk)
+  graphdef, params, rest = nnx.split(head, nnx.Param, ...)
+
+  @jax.checkpoint
+  def logps(params, x_CD, targets_C):
+    logits_CV = project(nnx.merge(graphdef, params, rest), x_CD).astype(jnp.float32)
+    return -parallel.cross_entropy(logits_CV / temperature, targets_C)
+
+  logps_JC = jax.lax.map(lambda xs: logps(params, *xs), (x_MD.reshape(-1, chunk, D), targets_JC))
+  return logps_JC.reshape(-1)[:M].reshape(B, T)
+
+
 def decoder_sums(
   model, inputs_BT, segment_ids_BT, targets_BT, weights_BT, *, chunk: int, positions_BT=None
 ):
   """`loss_sums`'s summed loss with the head run `chunk` tokens at a time: the decoder's
   `hidden` states, then its output head (`output_head`, the same projection and soft-cap as
   its `logits`) chunk by chunk."""
-  if not hasattr(model, "output_head"):
-    raise UserError(
-      f"train.loss_chunk needs a decoder with an output head ({type(model).__name__} has "
-      "none): set --config.train.loss_chunk=0."
-    )
-  head, project = model.output_head()
-  x_BTD, _ = model.hidden(inputs_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
+  x_BTD, head, project = _hidden_and_head(model, inputs_BT, segment_ids_BT, positions_BT)
   B, T, D = x_BTD.shape
   return head_cross_entropy_sum(
     head,

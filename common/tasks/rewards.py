@@ -121,10 +121,12 @@ def score(rewards: list[Reward], prompts: list, completions: list, fields: dict)
 
 
 def _text(completion) -> str:
-  """A completion's text: its first message's content, or the string itself."""
+  """A completion's text: the string itself, or its last assistant message's content (a turn's
+  only message; an episode's final answer, after its tool calls and results)."""
   if isinstance(completion, str):
     return completion
-  return completion[0]["content"]
+  replies = [m for m in completion if m.get("role", "assistant") == "assistant"]
+  return (replies[-1] if replies else completion[-1]).get("content") or ""
 
 
 def _normal(text: str) -> str:

@@ -1,0 +1,104 @@
+"""GRPO's levers measured on a recipe: each lever alone and in combination, held-out reward at
+steps 20 and 40 and the run's wall time, one `zoo run` per (setting, seed).
+
+    pip install -e ".[smollm2]" && python bench/grpo_levers.py --out runs/levers
+    python bench/grpo_levers.py --out runs/levers --only base,filter --seeds 0,1,2
+
+Each run's workdir is OUT/NAME-sSEED; a finished run (its step-40 evaluation in metrics.jsonl)
+is read, not rerun, so the scan can be stopped and picked up again. The table is printed as
+markdown: one row per setting, the mean over the seeds that finished (and their number).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+EXP = "chat/smollm2-arithmetic-grpo"
+
+# name -> overrides of the recipe's grpo section (TRL's names).
+SETTINGS = {
+  "base": {},
+  "mu2": {"num_iterations": 2},
+  "mu2-clip-higher": {"num_iterations": 2, "epsilon_high": 0.28},
+  "mu2-gspo": {"num_iterations": 2, "importance_sampling_level": "sequence"},
+  "filter": {"filter_tied_groups": True},
+  "soft-punish": {"soft_punish_cache": 8},
+  "grpo-loss": {"loss_type": "grpo"},
+  "filter-mu2-clip-higher": {"filter_tied_groups": True, "num_iterations": 2, "epsilon_high": 0.28},
+}
+
+
+def read(workdir):
+  """{step: held-out reward}, the run's wall seconds (from its own record), sampled prompts."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return {}, None, None
+  with open(path) as f:
+    lines = [json.loads(line) for line in f if line.strip()]
+  held = {x["step"]: x["reward"] for x in lines if x.get("split") == "eval"}
+  wall = None
+  timing = os.path.join(workdir, "wall_s.json")
+  if os.path.exists(timing):
+    with open(timing) as f:
+      wall = json.load(f)["wall_s"]
+  sampled = sum(x.get("sampled_prompts", 0) for x in lines if "split" not in x)
+  return held, wall, sampled
+
+
+def run(name, seed, out, steps):
+  workdir = os.path.join(out, f"{name}-s{seed}")
+  held, _, _ = read(workdir)
+  if steps in held:
+    return workdir
+  if os.path.exists(workdir):  # a run stopped half-way: its wall time would not add up
+    subprocess.run(["rm", "-rf", workdir], check=True)
+  argv = ["zoo", "run", EXP, "--workdir", workdir, "--quiet", f"--config.seed={seed}"]
+  argv += [f"--config.grpo.{k}={v}" for k, v in SETTINGS[name].items()]
+  t0 = time.time()
+  print(" ".join(argv), flush=True)
+  subprocess.run(argv, check=True)
+  with open(os.path.join(workdir, "wall_s.json"), "w") as f:
+    json.dump({"wall_s": time.time() - t0}, f)
+  return workdir
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", default="runs/levers")
+  p.add_argument("--only", help="comma-separated settings (default: all)")
+  p.add_argument("--seeds", default="0")
+  p.add_argument("--steps", type=int, default=40)
+  p.add_argument("--table", action="store_true", help="print the table of what has run; run nothing")
+  args = p.parse_args()
+  names = args.only.split(",") if args.only else list(SETTINGS)
+  unknown = [n for n in names if n not in SETTINGS]
+  if unknown:
+    sys.exit(f"unknown setting(s) {unknown}: choose from {', '.join(SETTINGS)}")
+  seeds = [int(s) for s in args.seeds.split(",")]
+  if not args.table:
+    for name in names:
+      for seed in seeds:
+        run(name, seed, args.out, args.steps)
+  print("| setting | overrides | seeds | held out @20 | held out @40 | wall (min) | prompts sampled |")
+  print("|---|---|---|---|---|---|---|")
+  for name in SETTINGS if args.table else names:
+    rows = []
+    for entry in sorted(os.listdir(args.out)) if os.path.isdir(args.out) else []:
+      if entry.rsplit("-s", 1)[0] == name:
+        held, wall, sampled = read(os.path.join(args.out, entry))
+        if args.steps in held and wall is not None:
+          rows.append((held.get(20, float("nan")), held[args.steps], wall, sampled))
+    if not rows:
+      continue
+    n = len(rows)
+    mean = [sum(r[i] for r in rows) / n for i in range(4)]
+    over = ", ".join(f"{k}={v}" for k, v in SETTINGS[name].items()) or "(the recipe's)"
+    print(f"| {name} | {over} | {n} | {mean[0]:.3f} | {mean[1]:.3f} | {mean[2] / 60:.1f} | "
+          f"{mean[3]:.0f} |")
+
+
+if __name__ == "__main__":
+  main()
