@@ -71,7 +71,7 @@ def main():
   p.add_argument("--only", help="comma-separated settings (default: all)")
   p.add_argument("--seeds", default="0")
   p.add_argument("--steps", type=int, default=40)
-  p.add_argument("--table", action="store_true", help="print the table of what has run; run nothing")
+  p.add_argument("--table", action="store_true", help="the table of what has run; run nothing")
   args = p.parse_args()
   names = args.only.split(",") if args.only else list(SETTINGS)
   unknown = [n for n in names if n not in SETTINGS]
@@ -82,7 +82,7 @@ def main():
     for name in names:
       for seed in seeds:
         run(name, seed, args.out, args.steps)
-  print("| setting | overrides | seeds | held out @20 | held out @40 | wall (min) | prompts sampled |")
+  print("| setting | overrides | seeds | held out @20 | held out @40 | wall (min) | prompts |")
   print("|---|---|---|---|---|---|---|")
   for name in SETTINGS if args.table else names:
     rows = []
@@ -96,8 +96,10 @@ def main():
     n = len(rows)
     mean = [sum(r[i] for r in rows) / n for i in range(4)]
     over = ", ".join(f"{k}={v}" for k, v in SETTINGS[name].items()) or "(the recipe's)"
-    print(f"| {name} | {over} | {n} | {mean[0]:.3f} | {mean[1]:.3f} | {mean[2] / 60:.1f} | "
-          f"{mean[3]:.0f} |")
+    print(
+      f"| {name} | {over} | {n} | {mean[0]:.3f} | {mean[1]:.3f} | {mean[2] / 60:.1f} | "
+      f"{mean[3]:.0f} |"
+    )
 
 
 if __name__ == "__main__":

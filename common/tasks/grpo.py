@@ -193,7 +193,12 @@ def token_logps(model, batch: dict, temperature: float = 1.0, loss_chunk: int = 
   inputs, pos, seg = rows["inputs"], rows["positions"], rows["segment_ids"]
   if loss_chunk:
     return losses.decoder_token_logps(
-      model, inputs, seg, rows["targets"], chunk=loss_chunk, positions_BT=pos,
+      model,
+      inputs,
+      seg,
+      rows["targets"],
+      chunk=loss_chunk,
+      positions_BT=pos,
       temperature=temperature,
     )
   logits = model(inputs, positions_BT=pos, segment_ids_BT=seg)

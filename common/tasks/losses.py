@@ -122,7 +122,13 @@ def _hidden_and_head(model, inputs_BT, segment_ids_BT, positions_BT):
 
 
 def decoder_token_logps(
-  model, inputs_BT, segment_ids_BT, targets_BT, *, chunk: int, positions_BT=None,
+  model,
+  inputs_BT,
+  segment_ids_BT,
+  targets_BT,
+  *,
+  chunk: int,
+  positions_BT=None,
   temperature: float = 1.0,
 ) -> jax.Array:
   """[B, T] log-probability of each target under the logits / `temperature`, the head run
