@@ -12,11 +12,14 @@ markdown: one row per setting, the mean over the seeds that finished (and their 
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
 
 EXP = "chat/smollm2-arithmetic-grpo"
+BATCH = 4  # the recipe's prompts a step
+NAN = float("nan")
 
 # name -> overrides of the recipe's grpo section (TRL's names).
 SETTINGS = {
@@ -32,20 +35,33 @@ SETTINGS = {
 
 
 def read(workdir):
-  """{step: held-out reward}, the run's wall seconds (from its own record), sampled prompts."""
+  """{step: held-out reward}, the run's (wall, CPU) seconds from its own record, and the
+  prompts it sampled (dynamic sampling's extra ones included)."""
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
-    return {}, None, None
+    return {}, (NAN, NAN), 0
   with open(path) as f:
     lines = [json.loads(line) for line in f if line.strip()]
   held = {x["step"]: x["reward"] for x in lines if x.get("split") == "eval"}
-  wall = None
+  wall = cpu = NAN
   timing = os.path.join(workdir, "wall_s.json")
   if os.path.exists(timing):
     with open(timing) as f:
-      wall = json.load(f)["wall_s"]
-  sampled = sum(x.get("sampled_prompts", 0) for x in lines if "split" not in x)
-  return held, wall, sampled
+      record = json.load(f)
+    wall, cpu = record["wall_s"], record.get("cpu_s", NAN)
+  elif lines:  # not run by this script: from its first file to its last line
+    wall = os.path.getmtime(path) - os.path.getmtime(os.path.join(workdir, "config.json"))
+  # A rollout's prompts (an update on a held rollout, num_iterations > 1, samples none).
+  updates = [x for x in lines if "split" not in x and "sample_s" in x and x["sample_s"] > 0]
+  sampled = sum(x.get("sampled_prompts", BATCH) for x in updates)
+  return held, (wall, cpu), sampled
+
+
+def children_cpu() -> float:
+  """CPU seconds (user + system) of the finished child processes: a run's cost where the
+  machine is shared, which its wall time is not."""
+  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return usage.ru_utime + usage.ru_stime
 
 
 def run(name, seed, out, steps):
@@ -53,15 +69,15 @@ def run(name, seed, out, steps):
   held, _, _ = read(workdir)
   if steps in held:
     return workdir
-  if os.path.exists(workdir):  # a run stopped half-way: its wall time would not add up
+  if os.path.exists(workdir):  # a run stopped half-way: its time would not add up
     subprocess.run(["rm", "-rf", workdir], check=True)
   argv = ["zoo", "run", EXP, "--workdir", workdir, "--quiet", f"--config.seed={seed}"]
   argv += [f"--config.grpo.{k}={v}" for k, v in SETTINGS[name].items()]
-  t0 = time.time()
+  t0, cpu0 = time.time(), children_cpu()
   print(" ".join(argv), flush=True)
   subprocess.run(argv, check=True)
   with open(os.path.join(workdir, "wall_s.json"), "w") as f:
-    json.dump({"wall_s": time.time() - t0}, f)
+    json.dump({"wall_s": time.time() - t0, "cpu_s": children_cpu() - cpu0}, f)
   return workdir
 
 
@@ -82,23 +98,27 @@ def main():
     for name in names:
       for seed in seeds:
         run(name, seed, args.out, args.steps)
-  print("| setting | overrides | seeds | held out @20 | held out @40 | wall (min) | prompts |")
-  print("|---|---|---|---|---|---|---|")
-  for name in SETTINGS if args.table else names:
+  print(
+    f"| setting | overrides | seeds | held out @20 | held out @{args.steps} (each seed) "
+    "| wall (min) | CPU (min) | prompts sampled |"
+  )
+  print("|---|---|---|---|---|---|---|---|")
+  for name in names:
     rows = []
     for entry in sorted(os.listdir(args.out)) if os.path.isdir(args.out) else []:
       if entry.rsplit("-s", 1)[0] == name:
-        held, wall, sampled = read(os.path.join(args.out, entry))
-        if args.steps in held and wall is not None:
-          rows.append((held.get(20, float("nan")), held[args.steps], wall, sampled))
+        held, (wall, cpu), sampled = read(os.path.join(args.out, entry))
+        if args.steps in held:
+          rows.append((held.get(20, NAN), held[args.steps], wall, cpu, sampled))
     if not rows:
       continue
     n = len(rows)
-    mean = [sum(r[i] for r in rows) / n for i in range(4)]
+    mean = [sum(r[i] for r in rows) / n for i in range(5)]
     over = ", ".join(f"{k}={v}" for k, v in SETTINGS[name].items()) or "(the recipe's)"
+    each = " (" + ", ".join(f"{r[1]:.3f}" for r in rows) + ")" if n > 1 else ""
     print(
-      f"| {name} | {over} | {n} | {mean[0]:.3f} | {mean[1]:.3f} | {mean[2] / 60:.1f} | "
-      f"{mean[3]:.0f} |"
+      f"| {name} | {over} | {n} | {mean[0]:.3f} | {mean[1]:.3f}{each} | {mean[2] / 60:.1f} | "
+      f"{mean[3] / 60:.1f} | {mean[4]:.0f} |"
     )
 
 
