@@ -1,5 +1,6 @@
 """GRPO's reward functions (common/tasks/grpo.py): named in `grpo.reward`, loaded, called and
-checked; and two that compare a completion with a record's `answer`.
+checked; and those that compare a completion with a record's `answer` (an episode's final reply,
+or what its tools returned).
 
 A reward has TRL's signature, `reward(prompts, completions, **fields) -> list[float]`: `prompts`
 the records' prompts (lists of messages), `completions` one list of messages each (the
@@ -149,3 +150,18 @@ def contains_answer(prompts, completions, answer, **_) -> list[float]:
 def number_only(prompts, completions, **_) -> list[float]:
   """1 where the reply is one number and nothing else (a format a program checks), else 0."""
   return [float(re.fullmatch(r"-?\d+(\.\d+)?", _normal(_text(c))) is not None) for c in completions]
+
+
+def answer_in_tool_result(prompts, completions, answer, **_) -> list[float]:
+  """1 where an episode's tools returned the record's `answer` (its calls computed it, whether
+  or not the final reply says so), else 0: a step short of `contains_answer` on the final
+  reply, for a model that calls the tools right but does not yet answer."""
+  return [
+    float(
+      any(
+        m.get("role") == "tool" and _normal(m.get("content") or "") == _normal(a)
+        for m in ([] if isinstance(c, str) else c)
+      )
+    )
+    for c, a in zip(completions, answer, strict=True)
+  ]

@@ -540,6 +540,16 @@ def test_the_shipped_rewards():
   assert rewards.exact_answer(None, completions, answer) == [1.0, 1.0, 0.0, 0.0, 0.0]
   assert rewards.contains_answer(None, completions, answer) == [1.0, 1.0, 1.0, 0.0, 0.0]
   assert rewards.number_only(None, completions) == [1.0, 1.0, 0.0, 1.0, 0.0]
+  # An episode: the final reply is its last assistant message; a tool's result counts apart.
+  call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add"}}]}
+  episodes = [
+    [call, {"role": "tool", "content": "85"}, {"role": "assistant", "content": "85"}],
+    [call, {"role": "tool", "content": "85"}, call],  # computed, never answered
+    [{"role": "assistant", "content": "85"}, call, {"role": "tool", "content": "9"}],
+  ]
+  answer = ["85"] * 3
+  assert rewards.contains_answer(None, episodes, answer) == [1.0, 0.0, 0.0]
+  assert rewards.answer_in_tool_result(None, episodes, answer) == [1.0, 1.0, 0.0]
 
 
 @pytest.mark.slow
