@@ -766,34 +766,86 @@ def continue_rows(
   old callers and unused: the engine reads each prompt in chunks of its own."""
   del prefill
   prompt_BP = np.asarray(jax.device_get(prompt_BP), np.int32)
-  lengths_B = np.asarray(jax.device_get(lengths_B), np.int32)
   B, P = prompt_BP.shape
-  stops = stop_tuple(stop_ids)
-  fill = stops[0] if stops else 0
-  out = np.full((B, P + max_new_tokens), fill, np.int32)
-  out[:, :P] = np.where(np.arange(P) < lengths_B[:, None], prompt_BP, fill)
-  logps = np.zeros((B, max(max_new_tokens, 0)), np.float32)
-  if max_new_tokens >= 1:
-    engine = _static_engine(graphdef, params, B, P, max_new_tokens, persist=persist)
-    options = SamplingParams(
-      max_new_tokens, float(temperature), int(top_k), float(top_p), stop_ids=stops,
+  rows = Rows(
+    graphdef, params, slots=B, prompt_len=P, max_new_tokens=max_new_tokens,
+    temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids, logprobs=logprobs,
+    persist=persist,
+  )  # fmt: skip
+  batch, _ = rows.add(prompt_BP, lengths_B, keys_B)
+  while rows.busy:
+    rows.step()
+  out, logps = rows.result(batch)
+  return (out, logps) if logprobs else out
+
+
+class Rows:
+  """Batches of rows continued on one engine, a slot a row, as `continue_rows` does for one:
+  a batch added while others run waits for the slots their finished rows free (the engine
+  admits in order), so no row waits for the longest of another batch. Each row's tokens are
+  drawn with its own key, whatever its slot or neighbours (`Engine`), so they are those
+  `continue_rows` gives that batch alone. GRPO's dynamic sampling adds its extra prompts so."""
+
+  def __init__(
+    self, graphdef, params, *, slots: int, prompt_len: int, max_new_tokens: int,
+    temperature: float, top_k: int = 0, top_p: float = 1.0, stop_ids: tuple[int, ...] = (),
+    logprobs: bool = False, persist: bool = False,
+  ):  # fmt: skip
+    self.max_new_tokens, self.logprobs = max_new_tokens, logprobs
+    self.stops = stop_tuple(stop_ids)
+    self.options = SamplingParams(
+      max_new_tokens, float(temperature), int(top_k), float(top_p), stop_ids=self.stops,
       logprobs=0 if logprobs else None,
     )  # fmt: skip
-    rows, done = {}, np.zeros(B, np.int64)
+    self.engine = None
+    if max_new_tokens >= 1:
+      self.engine = _static_engine(graphdef, params, slots, prompt_len, max_new_tokens,
+                                   persist=persist)  # fmt: skip
+    self._batches = []  # [out [B, P + N], logps [B, N], lengths [B], tokens written [B]]
+    self._rows = {}  # request id -> (batch, row)
+
+  def add(self, prompt_BP, lengths_B, keys_B) -> tuple[int, list[int]]:
+    """Queue a batch: its index (for `result`) and its rows that are padding (length 0),
+    finished as they are added."""
+    prompt_BP = np.asarray(jax.device_get(prompt_BP), np.int32)
+    lengths_B = np.asarray(jax.device_get(lengths_B), np.int32)
+    B, P = prompt_BP.shape
+    N = self.max_new_tokens
+    fill = self.stops[0] if self.stops else 0
+    out = np.full((B, P + max(N, 0)), fill, np.int32)
+    out[:, :P] = np.where(np.arange(P) < lengths_B[:, None], prompt_BP, fill)
+    i = len(self._batches)
+    self._batches.append([out, np.zeros((B, max(N, 0)), np.float32), lengths_B, np.zeros(B, int)])
+    padding = [b for b in range(B) if lengths_B[b] <= 0 or self.engine is None]
     for b in range(B):
-      if lengths_B[b] > 0:
-        rows[engine.submit(prompt_BP[b, : lengths_B[b]], options, key=keys_B[b])] = b
-    while engine.busy:
-      for got in engine.step():
-        b, n = rows[got.rid], len(got.tokens)
-        at = lengths_B[b] + done[b]
-        out[b, at : at + n] = got.tokens
-        if logprobs and n:
-          logps[b, done[b] : done[b] + n] = got.logprobs
-        done[b] += n
-  else:
-    out = out[:, : P + max_new_tokens]
-  return (out, logps) if logprobs else out
+      if b not in padding:
+        rid = self.engine.submit(prompt_BP[b, : lengths_B[b]], self.options, key=keys_B[b])
+        self._rows[rid] = (i, b)
+    return i, padding
+
+  @property
+  def busy(self) -> bool:
+    return self.engine is not None and self.engine.busy
+
+  def step(self) -> list[tuple[int, int]]:
+    """One engine step: the (batch, row) of each row it finished."""
+    finished = []
+    for got in self.engine.step():
+      i, b = self._rows[got.rid]
+      out, logps, lengths, done = self._batches[i]
+      n = len(got.tokens)
+      out[b, lengths[b] + done[b] : lengths[b] + done[b] + n] = got.tokens
+      if self.logprobs and n:
+        logps[b, done[b] : done[b] + n] = got.logprobs
+      done[b] += n
+      if got.finish_reason is not None:
+        finished.append((i, b))
+    return finished
+
+  def result(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Batch i's rows [B, P + N] and its new tokens' log-probabilities [B, N] (0 unless asked)."""
+    out, logps, _, _ = self._batches[i]
+    return out, logps
 
 
 def _static_engine(

@@ -155,6 +155,9 @@ def config(**kw) -> ml_collections.ConfigDict:
     # and the batch refilled with more prompts, in at most filter_max_rounds rounds a step.
     "filter_tied_groups": False,
     "filter_max_rounds": 4,
+    # One process: a round's prompts take the slots of finished rows as soon as the rounds so
+    # far cannot fill the batch, instead of after the round's longest row (the same rows).
+    "refill": True,
     # The sampler's weights: "" the params as they are, "bfloat16" (or "float16") a copy cast.
     "sampler_dtype": "",
     # Sampler/trainer mismatch: "none", "token_truncate" (truncated importance sampling: each
@@ -675,10 +678,21 @@ class GRPO(tasks.Task):
     stream until each process has its share of groups whose rewards do not all tie, or
     filter_max_rounds rounds have run (every process runs as many); a batch still short trains
     on what it has, the rest of its rows empty."""
-    s, G = self.s, self.s.group_size
+    s = self.s
     host = {k: local_rows(batch[k]) for k in ("tokens", "segment_ids", "index", "seed")}
     B = len(host["index"])  # this process's prompts
     sampler = self._sampler_params(params)
+    if s.filter_tied_groups and self.agent is None and jax.process_count() == 1 and s.refill:
+      parts, kept = self._refilled(host, sampler, times)
+    else:
+      parts, kept = self._rounds(host, sampler, times)
+    return self._batch(parts, kept, B, times)
+
+  def _rounds(self, host, sampler, times):
+    """Dynamic sampling a round at a time (and a step's one round without it): (parts, kept),
+    parts [(rows, scored)] a round each, kept the (round, group) of each untied group."""
+    s, G = self.s, self.s.group_size
+    B = len(host["index"])
     parts, kept = [], []
     while True:
       if self.agent is not None:  # episodes: their sampling and tools, then their scoring
@@ -702,6 +716,74 @@ class GRPO(tasks.Task):
       if short <= 0 or len(parts) >= s.filter_max_rounds:
         break
       host = dict(self._stream.more())
+    return parts, kept
+
+  def _refilled(self, host, sampler, times):
+    """Dynamic sampling on one engine (one process): the next round's prompts are drawn and
+    queued as soon as the rounds so far cannot fill the batch (the untied groups found plus
+    those still running fall short), so their rows take the slots of finished rows instead of
+    waiting for the round's longest. The rounds drawn, and each row's tokens (its own key,
+    whatever its slot), are those of `_rounds`: the same (parts, kept)."""
+    s, G = self.s, self.s.group_size
+    B = len(host["index"])
+    options = dict(temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p))
+    rows = engine.Rows(
+      self._sampling["graphdef"], sampler, slots=B * G, prompt_len=host["tokens"].shape[1],
+      max_new_tokens=s.max_new_tokens, stop_ids=self._sampling["stop_ids"],
+      logprobs=uses_sampler_logps(s), **options,
+    )  # fmt: skip
+    rounds = []  # [lengths_R, index_R, rows left in each group, scored groups {g: (rows, scored)}]
+    kept = []
+
+    def draw(host):
+      prompts_RP, lengths_R, keys = self._rollout_rows(host, training=True)
+      _, padding = rows.add(prompts_RP, lengths_R, keys)
+      left = np.full(len(lengths_R) // G, G)
+      rounds.append([lengths_R, np.repeat(host["index"], G), left, {}])
+      return [(len(rounds) - 1, b) for b in padding]
+
+    def score(i, g):
+      lengths_R, index_R, _, groups = rounds[i]
+      out, logps = rows.result(i)
+      block = slice(g * G, (g + 1) * G)
+      t = time.perf_counter()
+      part, scored, _ = self._score(out[block], lengths_R[block], index_R[block],
+                                    lengths_R[block] > 0, True)  # fmt: skip
+      if rows.logprobs:
+        part["sampler_logps"] = sampler_rows(logps[block], lengths_R[block], out.shape[1])
+      times["reward_s"] += time.perf_counter() - t
+      groups[g] = (part, scored)
+      if np.ptp(scored["reward"]) > 0:
+        kept.append((i, g))
+
+    finished = draw(host)
+    while True:
+      for i, b in finished:
+        rounds[i][2][b // G] -= 1
+        if rounds[i][2][b // G] == 0:
+          score(i, b // G)
+      running = sum(int((r[2] > 0).sum()) for r in rounds)
+      if len(kept) + running < B and len(rounds) < s.filter_max_rounds:
+        finished = draw(dict(self._stream.more()))
+        continue
+      if not rows.busy:
+        break
+      t = time.perf_counter()
+      finished = rows.step()
+      times["sample_s"] += time.perf_counter() - t
+    parts = []
+    for _, _, left, groups in rounds:
+      ordered = [groups[g] for g in range(len(left))]
+      parts.append(
+        tuple(
+          {k: np.concatenate([p[j][k] for p in ordered]) for k in ordered[0][j]} for j in (0, 1)
+        )  # fmt: skip
+      )
+    return parts, sorted(kept)
+
+  def _batch(self, parts, kept, B, times):
+    """The training batch of the rounds `parts` and their untied groups `kept` (see _fill)."""
+    s, G = self.s, self.s.group_size
     # Every process's rows as wide as the widest (one global batch).
     width = int(gather(np.asarray([max(r["tokens"].shape[1] for r, _ in parts)])).max())
     if not s.filter_tied_groups:
@@ -741,6 +823,14 @@ class GRPO(tasks.Task):
     rollouts' seeds) each continued group_size times, sampled; a held-out batch's once, greedy.
     A held-out batch's padding rows have length 0. `host`: this process's rows of the batch;
     `params`: the sampler's (`_sampler_params`)."""
+    prompts_RP, lengths_R, keys = self._rollout_rows(host, training=training)
+    split = "train" if training else "eval"
+    out, logps = self._rollouts(params, prompts_RP, lengths_R, keys, split=split)
+    return lengths_R, out, logps
+
+  def _rollout_rows(self, host, *, training: bool):
+    """The rows a batch's rollout continues: prompts [R, P] (each prompt group_size times in
+    training, once held out; P its longest in the sampler's bucket), lengths [R] and keys [R]."""
     lengths = host["segment_ids"].sum(axis=1).astype(np.int32)
     P = rows_width(int(lengths.max()), host["tokens"].shape[1])
     G = self.s.group_size if training else 1
@@ -750,9 +840,7 @@ class GRPO(tasks.Task):
       keys = jax.vmap(jax.random.fold_in)(keys, jnp.tile(jnp.arange(G), len(host["seed"])))
     else:  # greedy: the keys are not read
       keys = jax.vmap(jax.random.key)(jnp.zeros(len(lengths_R), jnp.uint32))
-    split = "train" if training else "eval"
-    out, logps = self._rollouts(params, prompts_RP, lengths_R, keys, split=split)
-    return lengths_R, out, logps
+    return prompts_RP, lengths_R, keys
 
   def samples(self, data, *, cfg, split: str, count: int) -> list[dict]:
     """The first `count` prompts of `split` with their completions, as the run's first step

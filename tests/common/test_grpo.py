@@ -761,7 +761,8 @@ def test_dynamic_sampling_drops_tied_groups_refills_and_resumes(tmp_path):
   (each has advantages), the batch is refilled from more prompts (some step takes 2 rounds, its
   prompts logged), never more than filter_max_rounds; a batch left short trains on its filled
   groups, the rest of its rows empty. Stopped after 2 steps and resumed: the same rows, bit for
-  bit."""
+  bit. The rounds' rows refilled into the slots finished rows free (grpo.refill, the default)
+  are those of a round at a time, bit for bit."""
   (tmp_path / "ties.py").write_text(TIES_PY)
   overrides = {
     "grpo.reward": f"{tmp_path / 'ties.py'}:ties_a", "grpo.filter_tied_groups": "True",
@@ -783,6 +784,10 @@ def test_dynamic_sampling_drops_tied_groups_refills_and_resumes(tmp_path):
   first = lever_run(tmp_path, "resumed", overrides, stop_at=2)[0]
   rest = lever_run(tmp_path, "resumed", overrides)[0]
   for a, b in zip(seen, first + rest, strict=True):
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+  rounds_at_a_time = lever_run(tmp_path, "rounds", {**overrides, "grpo.refill": "False"})[0]
+  for a, b in zip(seen, rounds_at_a_time, strict=True):
     for k in a:
       np.testing.assert_array_equal(a[k], b[k])
 
