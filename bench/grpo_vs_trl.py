@@ -249,10 +249,15 @@ def sample_efficiency(args):
           seeds.append(held)
     if seeds:
       rows[f"zoo, {name}"] = seeds
-  theirs = [
-    trl_held_out(args.init_from, cfg, setting, steps=args.steps, seed=int(seed))
-    for seed in args.seeds.split(",")
-  ]
+  theirs = []
+  for seed in args.seeds.split(","):  # each seed's result kept beside the zoo's runs
+    path = os.path.join(args.levers, f"trl-{args.trl_settings}-s{seed}-{args.steps}.json")
+    if not os.path.exists(path):
+      held = trl_held_out(args.init_from, cfg, setting, steps=args.steps, seed=int(seed))
+      with open(path, "w") as f:
+        json.dump(held, f)
+    with open(path) as f:
+      theirs.append({int(k): v for k, v in json.load(f).items()})
   rows[f"TRL GRPOTrainer, {args.trl_settings}"] = theirs
   half = args.steps // 2
   print(f"\n{EXP}: held-out reward (greedy, first 64 held-out sums), mean over seeds\n")
