@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 EXP = "chat/smollm2-arithmetic-grpo"
 BATCH = 4  # the recipe's prompts a step
 NAN = float("nan")
@@ -113,7 +115,8 @@ def main():
     if not rows:
       continue
     n = len(rows)
-    mean = [sum(r[i] for r in rows) / n for i in range(5)]
+    # Each column's mean over the seeds that have it (a run not timed by this script has no CPU).
+    mean = [float(np.nanmean([r[i] for r in rows])) for i in range(5)]
     over = ", ".join(f"{k}={v}" for k, v in SETTINGS[name].items()) or "(the recipe's)"
     each = " (" + ", ".join(f"{r[1]:.3f}" for r in rows) + ")" if n > 1 else ""
     print(
