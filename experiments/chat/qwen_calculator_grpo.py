@@ -73,8 +73,11 @@ def get_config(arg=None):
   # Training: 4 problems a step, 4 episodes each; the held-out reward (greedy episodes, the
   # first 32 held-out problems) every 20 steps. The loss 256 tokens at a time: the logits of
   # 16 episodes over Qwen's 151,936-token vocabulary would take GBs.
+  # A step is minutes here (its first: 222 s of sampling 16 episodes, measured), longer than
+  # the hang watchdog's default limit of 300 s: an hour before a step counts as hung.
   c.train = settings.train(steps=60, batch_size=4, log_every=1, eval_every=20, eval_batches=8,
-                           checkpoint_every=20, keep_checkpoints=1, loss_chunk=256)
+                           checkpoint_every=20, keep_checkpoints=1, loss_chunk=256,
+                           watchdog_s=3600.0)
   c.mesh = mesh.config()
   c.mesh_rules = [("cpux1", {}), ("*x8", {"mesh.data": 8})]
 
