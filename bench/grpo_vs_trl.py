@@ -60,6 +60,42 @@ def zoo(hf_dir: str, steps: int) -> dict:
   ]
 
 
+def contains_answer(prompts, completions, answer, **_):
+  return rewards.contains_answer(prompts, completions, answer)
+
+
+def number_only(prompts, completions, **_):
+  return rewards.number_only(prompts, completions)
+
+
+# The recipe's rewards as TRL calls them, with their weights.
+TRL_REWARDS = {contains_answer: 1.0, number_only: 0.5}
+
+
+def trl_args(trl_lib, cfg, out: str, *, steps: int, seed: int, **extra):
+  """TRL's GRPOConfig at the recipe's settings both have (`extra`: more of TRL's keys)."""
+  g = cfg.grpo
+  return trl_lib.GRPOConfig(
+    output_dir=out,
+    per_device_train_batch_size=cfg.train.batch_size * g.group_size,
+    num_generations=g.group_size,
+    max_completion_length=g.max_new_tokens,
+    max_steps=steps,
+    learning_rate=cfg.optim.lr,
+    beta=g.beta,
+    temperature=g.temperature,
+    mask_truncated_completions=g.truncated == "mask",
+    reward_weights=list(TRL_REWARDS.values()),
+    logging_steps=1,
+    report_to="none",
+    save_strategy="no",
+    use_cpu=True,
+    bf16=False,
+    seed=seed,
+    **extra,
+  )
+
+
 def trl(hf_dir: str, cfg, steps: int) -> list[dict]:
   import datasets
   import peft
@@ -69,7 +105,6 @@ def trl(hf_dir: str, cfg, steps: int) -> list[dict]:
 
   torch.set_num_threads(len(os.sched_getaffinity(0)))
   torch.manual_seed(0)
-  g = cfg.grpo
   records = arithmetic.records("train")[: steps * cfg.train.batch_size * 2]
   data = datasets.Dataset.from_list(records)
   model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -82,12 +117,6 @@ def trl(hf_dir: str, cfg, steps: int) -> list[dict]:
     def on_step_end(self, *_, **__):
       times.append(time.perf_counter() - self.t)
 
-  def contains_answer(prompts, completions, answer, **_):
-    return rewards.contains_answer(prompts, completions, answer)
-
-  def number_only(prompts, completions, **_):
-    return rewards.number_only(prompts, completions)
-
   generate = transformers.GenerationMixin.generate
 
   def timed_generate(self, *args, **kwargs):
@@ -98,28 +127,11 @@ def trl(hf_dir: str, cfg, steps: int) -> list[dict]:
 
   transformers.GenerationMixin.generate = timed_generate
   with tempfile.TemporaryDirectory() as out:
-    args = trl_lib.GRPOConfig(
-      output_dir=out,
-      per_device_train_batch_size=cfg.train.batch_size * g.group_size,
-      num_generations=g.group_size,
-      max_completion_length=g.max_new_tokens,
-      max_steps=steps,
-      learning_rate=cfg.optim.lr,
-      beta=g.beta,
-      temperature=g.temperature,
-      mask_truncated_completions=g.truncated == "mask",
-      reward_weights=[1.0, 0.5],
-      logging_steps=1,
-      report_to="none",
-      save_strategy="no",
-      use_cpu=True,
-      bf16=False,
-      seed=0,
-    )
+    args = trl_args(trl_lib, cfg, out, steps=steps, seed=0)
     lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS)
     trainer_ = trl_lib.GRPOTrainer(
       model=model,
-      reward_funcs=[contains_answer, number_only],
+      reward_funcs=list(TRL_REWARDS),
       args=args,
       train_dataset=data,
       peft_config=lora,
@@ -156,7 +168,6 @@ def trl_held_out(init_from: str, cfg, setting: dict, *, steps: int, seed: int) -
   model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw)
   tok.padding_side = "left"
   held_out = arithmetic.records("eval")[: cfg.train.eval_batches * cfg.train.batch_size]
-  weights = {"contains_answer": 1.0, "number_only": 0.5}
 
   def evaluate(policy) -> float:
     policy.eval()
@@ -169,8 +180,7 @@ def trl_held_out(init_from: str, cfg, setting: dict, *, steps: int, seed: int) -
     replies = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     prompts, answers = [r["prompt"] for r in held_out], [r["answer"] for r in held_out]
     total = sum(
-      w * np.asarray(getattr(rewards, name)(prompts, replies, answer=answers))
-      for name, w in weights.items()
+      w * np.asarray(fn(prompts, replies, answer=answers)) for fn, w in TRL_REWARDS.items()
     )
     policy.train()
     return float(np.mean(total))
@@ -183,46 +193,29 @@ def trl_held_out(init_from: str, cfg, setting: dict, *, steps: int, seed: int) -
         held[state.global_step] = evaluate(model)
         print(f"TRL step {state.global_step}: held-out reward {held[state.global_step]:.3f}")
 
-  def contains_answer(prompts, completions, answer, **_):
-    return rewards.contains_answer(prompts, completions, answer)
-
-  def number_only(prompts, completions, **_):
-    return rewards.number_only(prompts, completions)
-
   records = arithmetic.records("train")[: steps * cfg.train.batch_size]
   opt = cfg.optim
   with tempfile.TemporaryDirectory() as out:
-    args = trl_lib.GRPOConfig(
-      output_dir=out,
-      per_device_train_batch_size=cfg.train.batch_size * g.group_size,
-      num_generations=g.group_size,
-      max_completion_length=g.max_new_tokens,
-      max_steps=steps,
-      learning_rate=opt.lr,
+    args = trl_args(
+      trl_lib,
+      cfg,
+      out,
+      steps=steps,
+      seed=seed,
       warmup_steps=opt.warmup_steps,
       lr_scheduler_type="cosine_with_min_lr",
       lr_scheduler_kwargs={"min_lr_rate": opt.min_lr_ratio},
       weight_decay=opt.weight_decay,
-      beta=g.beta,
       epsilon=g.epsilon,
       loss_type=g.loss_type,
       scale_rewards=g.scale_rewards,
-      temperature=g.temperature,
-      mask_truncated_completions=g.truncated == "mask",
-      reward_weights=[weights["contains_answer"], weights["number_only"]],
-      logging_steps=1,
-      report_to="none",
-      save_strategy="no",
-      use_cpu=True,
-      bf16=False,
-      seed=seed,
       **{TRL_KEYS[k]: v for k, v in setting.items()},
     )
     lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS)
     trl_lib.GRPOTrainer(
       model=model,
       processing_class=tok,
-      reward_funcs=[contains_answer, number_only],
+      reward_funcs=list(TRL_REWARDS),
       args=args,
       train_dataset=datasets.Dataset.from_list(records),
       peft_config=lora,
