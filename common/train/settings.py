@@ -44,7 +44,8 @@ TRAIN = {
   "fitted": "",
   # Seconds without a new step after which a process is taken as hung: every thread's stack is
   # written to WORKDIR/hangs/ and the process exits 75 (common/train/watchdog.py). -1: 10 x the
-  # slowest recent step, at least 300 s; start-up and the steps to the first logged one (which
+  # slowest recent step, at least 300 s (and 2 x the first step's time until a later one is
+  # measured); start-up and the steps to the first logged one (which
   # waits for those jax dispatched ahead), and evaluation, get 600 s more. 0: no watchdog.
   "watchdog_s": -1.0,
 }

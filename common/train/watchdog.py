@@ -10,9 +10,11 @@ restarts it. Stdlib only: the supervisor imports it without jax.
 
 The limit (`limit_s`): `train.watchdog_s` seconds between two steps when > 0; 0 turns the
 watchdog (and the progress file) off; -1 (the default) scales with the run, `AUTO_FACTOR` times
-the slowest step seen in the last ~`WINDOW` steps (the first step excluded), at least
-`AUTO_MIN_S`. The watchdog starts with the training loop; until its first `warmup_steps` steps
-have ended (the first compiles the step; the trainer passes `train.log_every`, as jax dispatches
+the slowest step seen in the last ~`WINDOW` steps (the first step excluded: it compiles), at
+least `AUTO_MIN_S`; until a step after the first has been measured, at least `FIRST_FACTOR`
+times the first step (a GRPO step that samples for minutes takes about as long as its first,
+compilation aside: the next step must not be taken as hung for it). The watchdog starts with
+the training loop; until its first `warmup_steps` steps have ended (the first compiles the step; the trainer passes `train.log_every`, as jax dispatches
 steps ahead of the device and the loop first waits for them all at the first logged step, so a
 slow step's time is only seen from there) and while it evaluates (which compiles its own
 program), `FIRST_S` more are allowed.
@@ -33,6 +35,7 @@ HUNG = 75  # the exit code of a process the watchdog ended
 AUTO = -1  # train.watchdog_s's default: the limit scales with the measured step time
 AUTO_MIN_S = 300.0
 AUTO_FACTOR = 10.0
+FIRST_FACTOR = 2.0  # the second step's limit: at least this times the first step's time
 FIRST_S = 600.0  # allowed on top of the limit for start-up and the first step, and evaluation
 WINDOW = 100  # steps over which the slowest one sets the automatic limit
 TICK_S = 1.0  # how often the thread looks, and rewrites the progress file
@@ -85,6 +88,7 @@ class Watchdog:
     self.last = time.monotonic()  # when the step last advanced (or start-up began)
     self.extra = FIRST_S  # until the first step has ended
     self.slowest, self.slowest_before = 0.0, 0.0  # this window's slowest step, the last one's
+    self.first = 0.0  # the first step's time (compilation included)
     self.done = threading.Event()
     self.thread = None
     self.fired: str | None = None  # the dump's path, once it fired
@@ -108,6 +112,8 @@ class Watchdog:
       self.slowest = max(self.slowest, now - self.last)
       if self.steps_seen % WINDOW == 0:
         self.slowest_before, self.slowest = self.slowest, 0.0
+    else:
+      self.first = now - self.last
     self.steps_seen += 1
     self.step, self.last = step, now
     self.extra = FIRST_S if self.steps_seen < self.warmup_steps else 0.0
@@ -127,7 +133,10 @@ class Watchdog:
     if self.setting > 0:
       base = self.setting
     else:
-      base = max(AUTO_MIN_S, AUTO_FACTOR * max(self.slowest, self.slowest_before))
+      measured = max(self.slowest, self.slowest_before)
+      base = max(AUTO_MIN_S, AUTO_FACTOR * measured)
+      if self.steps_seen == 1:  # only the first step has ended: it bounds the next one
+        base = max(base, FIRST_FACTOR * self.first)
     return base + self.extra
 
   def stop(self):

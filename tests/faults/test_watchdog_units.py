@@ -166,7 +166,7 @@ def test_the_allowance_lasts_until_the_first_logged_step(tmp_path):
 def test_the_automatic_limit_follows_the_slowest_recent_step(tmp_path):
   dog = watchdog.Watchdog(watchdog.AUTO, workdir=str(tmp_path), process=0)
   assert dog.limit_s() == watchdog.AUTO_MIN_S + watchdog.FIRST_S
-  dog.last -= 5000  # the first step (compiling) sets nothing
+  dog.last -= 100  # the first step (compiling) sets no limit of its own
   dog.beat(1)
   assert dog.limit_s() == watchdog.AUTO_MIN_S
   dog.last -= 40.0
@@ -174,6 +174,18 @@ def test_the_automatic_limit_follows_the_slowest_recent_step(tmp_path):
   assert dog.limit_s() == pytest.approx(watchdog.AUTO_FACTOR * 40.0, rel=1e-3)
   for step in range(3, 3 + 2 * watchdog.WINDOW):  # two windows of fast steps forget it
     dog.beat(step)
+  assert dog.limit_s() == watchdog.AUTO_MIN_S
+
+
+def test_the_second_step_may_take_as_long_as_the_first(tmp_path):
+  # A GRPO step that samples for minutes (an agentic one: 4 minutes here) is that long from
+  # the first step on; the second, with nothing measured yet, was taken as hung at 300 s.
+  dog = watchdog.Watchdog(watchdog.AUTO, workdir=str(tmp_path), process=0)
+  dog.last -= 500.0
+  dog.beat(1)
+  assert dog.limit_s() == pytest.approx(watchdog.FIRST_FACTOR * 500.0, rel=1e-3)
+  dog.last -= 20.0  # a measured step sets the limit from then on, the first forgotten
+  dog.beat(2)
   assert dog.limit_s() == watchdog.AUTO_MIN_S
 
 
