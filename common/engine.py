@@ -5,8 +5,11 @@ The engine holds `slots` rows of KV cache, each with its own position (`attentio
 per-row index), so its requests advance independently:
 
 - **admission**: between steps a waiting request takes a free slot, preferring the slot whose
-  cache already holds the longest prefix of its prompt (the last turn of a chat, a shared system
-  prompt: those tokens are not computed again);
+  cache already holds the longest prefix of its prompt (the last turn of a chat: those tokens
+  are not computed again); where another slot, free or running, holds a longer prefix (a
+  shared system prompt, the copies of one prompt GRPO samples a group from) by `MIN_SHARED`
+  tokens or more, that slot's cache row is copied into the free one instead, and a request
+  whose prefix another slot is still reading waits a step for it (`share_prefixes`);
 - **prefill in chunks**: a prompt is read `prefill_chunk` tokens per step, beside the decode
   step of the slots already writing, so a long prompt never stalls the streams that run;
 - **decode**: one compiled step writes a token for every running slot, each with its own
@@ -50,6 +53,7 @@ from nnx_zoo.common.nn.encoder_decoder import EncoderDecoder
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's chat limit)
 MAX_STOP_IDS = 8  # stop ids a request may have
+MIN_SHARED = 16  # the fewest tokens, beyond a free slot's own, another slot's cache is copied for
 MIN_CACHE = 128  # the shortest cache the engine keeps (then 256, 512, ... up to max_len)
 FINISHES = ("stop", "length", "cancelled")
 
@@ -294,6 +298,13 @@ def min_decode_rows(model) -> int:
   return 2 if bf16 and jax.default_backend() == "cpu" else 1
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_rows(cache, src_k, dst_k):
+  """Slot src_k[i]'s cache row copied into slot dst_k[i] (a dst past the slots: nothing);
+  every source read before any row is written."""
+  return [x.at[dst_k].set(x[src_k], mode="drop") for x in cache]
+
+
 def _grow_fn(length: int):
   """The cache padded to `length` tokens a row (what it held kept)."""
 
@@ -344,6 +355,7 @@ class Engine:
     decode_steps: int = 1,
     check_memory: bool = True,
     persist: bool = True,
+    share_prefixes: bool = True,
   ):
     if slots < 1 or max_len < 2:
       raise UserError(f"slots={slots}, max_len={max_len}: give at least 1 slot of 2 tokens.")
@@ -353,7 +365,7 @@ class Engine:
     self._leaves = _on_device(leaves)
     self.slots, self.max_len = slots, max_len
     self.prefill_chunk, self.decode_steps = max(1, prefill_chunk), max(1, decode_steps)
-    self.persist = persist
+    self.persist, self.share_prefixes = persist, share_prefixes
     self._model = nnx.merge(graphdef, params)  # only its shapes are read: nothing computed
     # A one-token cache's shapes: its bytes a token, and its tree (the programs take and give the
     # cache as its leaves: jax.export keeps no custom trees).
@@ -476,22 +488,59 @@ class Engine:
 
   def _admit(self):
     free = [s for s in range(self.slots) if self._slot_rid[s] is None]
+    deferred, copies, copied_to = [], [], set()
     while self._waiting and free:
       req = self._requests[self._waiting.popleft()]
       # The free slot holding the longest prefix of the prompt (at least one prompt token is
       # read again: its logits give the first new token); prompt log-probs need them all.
       best, match = free[0], 0
       if not req.params.prompt_logprobs:
+        limit = len(req.prompt) - 1
         for s in free:
-          m = _common_prefix(self._held[s], req.prompt, len(req.prompt) - 1)
+          m = _common_prefix(self._held[s], req.prompt, limit)
           if m > match:
             best, match = s, m
         # No prefix to reuse: the lowest free slot (a step decodes the first slots, up to the
         # highest running one).
+        source, shared = self._shared_prefix(req.prompt, limit, least=match + MIN_SHARED)
+        if source is not None:
+          if len(self._held[source]) < shared or source in copied_to:
+            deferred.append(req.rid)  # the slot is still reading it: a step later
+            continue
+          # Copied into the free slot holding the least (the others' prefixes kept).
+          best = min(free, key=lambda s: (len(self._held[s]), s))
+          copies.append((source, best))
+          copied_to.add(best)
+          match = shared
       free.remove(best)
       req.slot, req.filled, req.cached = best, match, match
       self._held[best] = req.prompt[:match]
       self._slot_rid[best] = req.rid
+    self._waiting.extendleft(reversed(deferred))
+    if copies:
+      rows = _pow2(len(copies))
+      src = np.zeros(rows, np.int32)
+      dst = np.full(rows, self.slots, np.int32)  # padding: dropped
+      src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
+      self._cache = _copy_rows(self._cache, src, dst)
+
+  def _shared_prefix(self, prompt: list[int], limit: int, *, least: int):
+    """(slot, length) of the longest prefix of `prompt`, `least` tokens or more, that a running
+    slot holds or is reading (a request still in its prompt will hold all of it); (None, 0)
+    where there is none. A free slot never is one: admission reads those first."""
+    if not self.share_prefixes:
+      return None, 0
+    source, shared = None, least - 1
+    for s, rid in enumerate(self._slot_rid):
+      if rid is None:
+        continue
+      req = self._requests[rid]
+      reading = req.prompt if req.filled < len(req.prompt) else self._held[s]
+      if len(reading) > shared:
+        m = _common_prefix(reading, prompt, limit)
+        if m > shared:
+          source, shared = s, m
+    return (source, shared) if source is not None else (None, 0)
 
   def _program(self, name, make, args, static):
     """The compiled program `make()` builds for these arguments' shapes (kept for the process:

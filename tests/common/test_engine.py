@@ -256,6 +256,42 @@ def test_prefix_reuse_skips_the_held_tokens_and_changes_nothing(split_decoder):
   assert [o.cached_tokens for o in eng.step()] in ([0], [])
 
 
+def test_a_prefix_another_slot_holds_is_copied_not_read_again(split_decoder):
+  """Four requests at once: two copies of one prompt (a GRPO group) and two others sharing its
+  18-token system prefix. The first reads its prompt (in chunks of 8, so the others wait for
+  it), the rest copy its cache row and read only what is theirs; every token and
+  log-probability is what an engine that shares nothing gives."""
+  rng = np.random.default_rng(12)
+  system = rng.integers(1, 64, 18).tolist()
+  group = system + [5, 6]
+  prompts = [group, group, system + [7, 8, 9, 10, 11], system + [12, 13, 14, 15, 16]]
+  greedy = engine.SamplingParams(6, temperature=0.0, logprobs=0)
+
+  def run(share):
+    eng = engine.Engine(split_decoder, slots=4, max_len=48, prefill_chunk=8,
+                        share_prefixes=share)  # fmt: skip
+    rids = [eng.submit(p, greedy) for p in prompts]
+    got = {rid: ([], [], None) for rid in rids}
+    while eng.busy:
+      for o in eng.step():
+        tokens, lps, cached = got[o.rid]
+        got[o.rid] = (tokens + o.tokens, lps + o.logprobs, o.cached_tokens)
+    return [got[rid] for rid in rids]
+
+  shared, alone = run(True), run(False)
+  assert [c for _, _, c in alone] == [0, 0, 0, 0]
+  # The copy holds all of its prompt but the last token; the others, the system prefix.
+  assert [c for _, _, c in shared] == [0, len(group) - 1, len(system), len(system)]
+  for (tokens, lps, _), (want, want_lps, _) in zip(shared, alone, strict=True):
+    assert tokens == want
+    np.testing.assert_allclose(lps, want_lps, atol=1e-5)
+  # Copied only where the prefix is MIN_SHARED tokens or more.
+  short = engine.Engine(split_decoder, slots=2, max_len=48)
+  short.submit(system[: engine.MIN_SHARED - 2] + [1, 2], greedy)
+  short.submit(system[: engine.MIN_SHARED - 2] + [3, 4], greedy)
+  assert {o.cached_tokens for o in short.step()} == {0}
+
+
 def test_stop_ids_max_tokens_and_cancel_end_a_request_and_free_its_slot(split_decoder):
   rng = np.random.default_rng(10)
   prompt = rng.integers(1, 64, 5).tolist()
