@@ -126,8 +126,15 @@ def _text(completion) -> str:
   only message; an episode's final answer, after its tool calls and results)."""
   if isinstance(completion, str):
     return completion
+  return _last_reply(completion).get("content") or ""
+
+
+def _last_reply(completion) -> dict:
+  """A completion's last assistant message (a string: that text as one)."""
+  if isinstance(completion, str):
+    return {"role": "assistant", "content": completion}
   replies = [m for m in completion if m.get("role", "assistant") == "assistant"]
-  return (replies[-1] if replies else completion[-1]).get("content") or ""
+  return replies[-1] if replies else completion[-1]
 
 
 def _normal(text: str) -> str:
@@ -150,6 +157,18 @@ def contains_answer(prompts, completions, answer, **_) -> list[float]:
 def number_only(prompts, completions, **_) -> list[float]:
   """1 where the reply is one number and nothing else (a format a program checks), else 0."""
   return [float(re.fullmatch(r"-?\d+(\.\d+)?", _normal(_text(c))) is not None) for c in completions]
+
+
+def answered(prompts, completions, **_) -> list[float]:
+  """1 where an episode ends in a reply that calls no tool and says something (the model
+  answered, rather than calling on until its turns or tokens ran out), else 0; a plain
+  completion with text counts as answered. Rewards stopping, not being right: weigh it below
+  the answer's own reward."""
+  out = []
+  for c in completions:
+    last = _last_reply(c)
+    out.append(float(bool(_normal(last.get("content") or "")) and not last.get("tool_calls")))
+  return out
 
 
 def answer_in_tool_result(prompts, completions, answer, **_) -> list[float]:

@@ -550,6 +550,10 @@ def test_the_shipped_rewards():
   answer = ["85"] * 3
   assert rewards.contains_answer(None, episodes, answer) == [1.0, 0.0, 0.0]
   assert rewards.answer_in_tool_result(None, episodes, answer) == [1.0, 1.0, 0.0]
+  # Answered: the last reply calls nothing and says something, right or not.
+  silent = [call, {"role": "tool", "content": "85"}, {"role": "assistant", "content": " "}]
+  assert rewards.answered(None, episodes + [silent]) == [1.0, 0.0, 0.0, 0.0]
+  assert rewards.answered(None, completions) == [1.0] * 5
 
 
 @pytest.mark.slow
