@@ -84,7 +84,9 @@ class Episode:
   truncated: bool = False
   end: str = ""
   environment: object = None  # the episode's instance, if any
+  logps: list[float] | None = None  # with `run(logprobs=True)`: each token's under the sampler
   _turn: list[int] = dataclasses.field(default_factory=list)
+  _turn_logps: list[float] = dataclasses.field(default_factory=list)
 
   @property
   def model_tokens(self) -> int:
@@ -175,14 +177,18 @@ class Agent:
       messages[-1]["content"] = f"{messages[-1]['content']}\n\n{text}"
     return messages, instance
 
-  def run(self, starts, settings: Settings, *, engine_for, max_prompt: int = 0) -> list[Episode]:
+  def run(
+    self, starts, settings: Settings, *, engine_for, max_prompt: int = 0, logprobs: bool = False
+  ) -> list[Episode]:
     """Episodes, one a start, each `(prompt messages, fields, key)`, played together on the
     engine `engine_for(slots, longest prompt)` gives (free slots; this loop steps it). A prompt
-    longer than `max_prompt` tokens (with the tools' schemas) is refused."""
+    longer than `max_prompt` tokens (with the tools' schemas) is refused. `logprobs`: each
+    episode's `logps`, the sampler's log-probability of each model token (0 elsewhere)."""
     episodes, state = [], []
     params = lambda ep: engine_lib.SamplingParams(
       min(settings.max_new_tokens, settings.max_episode_tokens - (len(ep.tokens) - ep.prompt_len)),
       settings.temperature, settings.top_k, settings.top_p, stop_ids=self.stop_ids,
+      logprobs=0 if logprobs else None,
     )  # fmt: skip
     for prompt, fields, key in starts:
       messages, instance = self.start(prompt, fields)
@@ -196,7 +202,8 @@ class Agent:
       if instance is not None:
         named.update({t.name: t for t in tools.environment_tools(instance)})
       state.append((messages, named, key))
-      episodes.append(Episode(ids, len(ids), [0] * len(ids), environment=instance))
+      episodes.append(Episode(ids, len(ids), [0] * len(ids), environment=instance,
+                              logps=[0.0] * len(ids) if logprobs else None))  # fmt: skip
     if not episodes:
       return []
     engine = engine_for(len(episodes), max(ep.prompt_len for ep in episodes))
@@ -208,6 +215,7 @@ class Agent:
         i = pending[out.rid]
         ep = episodes[i]
         ep._turn += out.tokens
+        ep._turn_logps += out.logprobs or []
         if out.tokens and len(ep._turn) == len(out.tokens):  # the turn's first output
           ep.reread_tokens += out.prompt_tokens - out.cached_tokens
         if out.finish_reason is None:
@@ -228,6 +236,9 @@ class Agent:
     ep._turn = []
     ep.tokens += new
     ep.mask += [1] * len(new)
+    if ep.logps is not None:
+      ep.logps += ep._turn_logps
+    ep._turn_logps = []
     ep.turns += 1
     stopped = bool(new) and new[-1] in self.stop_ids
     text = self.tokenizer.decode(new[:-1] if stopped else new)
@@ -264,6 +275,8 @@ class Agent:
     ep.messages += results
     ep.tokens += context
     ep.mask += [0] * len(context)
+    if ep.logps is not None:
+      ep.logps += [0.0] * len(context)
     ep.context_tokens += len(context)
     return True
 
@@ -312,17 +325,27 @@ def template_format_share(episodes: list[Episode]) -> np.ndarray:
 
 def rows(episodes: list[Episode | None], width: int) -> dict:
   """The episodes as rows of `width` tokens (None: an empty row): tokens, segment_ids (1 over
-  the episode) and model (1 on the model's tokens), [R, width]."""
+  the episode) and model (1 on the model's tokens), [R, width]; where the episodes carry the
+  sampler's log-probs, sampler_logps [R, width - 1] laid as the trainer's token log-probs are
+  (token p's at p - 1)."""
   R = len(episodes)
   tokens = np.zeros((R, width), np.int32)
   segment_ids = np.zeros((R, width), np.int32)
   model = np.zeros((R, width), bool)
+  logps = None
+  if any(ep is not None and ep.logps is not None for ep in episodes):
+    logps = np.zeros((R, width - 1), np.float32)
   for r, ep in enumerate(episodes):
     if ep is None:
       continue
     n = len(ep.tokens)
     tokens[r, :n], segment_ids[r, :n], model[r, :n] = ep.tokens, 1, ep.mask
-  return {"tokens": tokens, "segment_ids": segment_ids, "model": model}
+    if logps is not None:
+      logps[r, : n - 1] = ep.logps[1:]
+  out = {"tokens": tokens, "segment_ids": segment_ids, "model": model}
+  if logps is not None:
+    out["sampler_logps"] = logps
+  return out
 
 
 def stats(episodes: list[Episode]) -> dict[str, np.ndarray]:

@@ -330,11 +330,6 @@ def configure_episodes(s) -> "episodes.Agent":
       f"grpo.max_episode_tokens={s.max_episode_tokens} is less than max_new_tokens="
       f"{s.max_new_tokens}: an episode holds its turns."
     )
-  if uses_sampler_logps(s):
-    raise UserError(
-      "Episodes with tools do not yet take the sampler's log-probabilities: leave "
-      "grpo.sampler_correction='none' and grpo.sampler_dtype='' with grpo.tools."
-    )
   functions = tools_lib.load_tools(s.tools) if s.tools else []
   environment = tools_lib.load_environment(s.environment) if s.environment else None
   return episodes.Agent(functions, environment, forms=s.call_forms)
@@ -1001,7 +996,8 @@ class GRPO(tasks.Task):
     settings = episodes.settings_of(s, greedy=not training)
     seq_len = self._data_cfg.seq_len
     make = episodes.engine_for(self._graphdef, params, settings)
-    played = self.agent.run(starts, settings, engine_for=make, max_prompt=seq_len)
+    played = self.agent.run(starts, settings, engine_for=make, max_prompt=seq_len,
+                            logprobs=training and uses_sampler_logps(s))  # fmt: skip
     t1 = time.perf_counter()
     R = len(valid)
     full = [None] * R
@@ -1032,6 +1028,8 @@ class GRPO(tasks.Task):
       laid["tokens"], laid["segment_ids"], laid["model"], kept, truncated, valid,
       (prompts, completions, fields), training, own,
     )  # fmt: skip
+    if "sampler_logps" in laid:
+      rows["sampler_logps"] = laid["sampler_logps"]
     for k, v in episodes.stats(played).items():
       scored[k] = np.zeros(R, np.float32)
       scored[k][live] = v

@@ -101,7 +101,6 @@ def test_each_bad_input_is_refused_before_a_step(tmp_path):
     ({"grpo.call_forms": "template,xml"}, "grpo.call_forms"),
     ({"grpo.max_turns": "0"}, "grpo.max_turns=0"),
     ({"grpo.max_episode_tokens": "4"}, "less than max_new_tokens"),
-    ({"grpo.sampler_correction": "token_truncate"}, "sampler's log-probabilities"),
   ):
     cfg = config(tmp_path, **overrides)
     with pytest.raises(UserError, match=match):

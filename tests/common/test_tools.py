@@ -372,8 +372,10 @@ def test_bad_templates_are_refused(kit):
 def test_episodes_continue_on_the_engine_reading_only_what_is_new(kit):
   """On the real engine with tiny:llama, greedy: every turn's tokens are `engine.generate`'s
   of the episode so far, and a turn after the first reads only its last sampled token and the
-  new context (the slot kept the rest). A random model makes no calls, so the reader here
-  takes every turn for a call."""
+  new context (the slot kept the rest); the sampler's log-probs (`logprobs=True`) are the
+  whole model's on the episode at its own tokens, 0 on the context, and the rows lay them as
+  the trainer's token log-probs. A random model makes no calls, so the reader here takes every
+  turn for a call."""
   from flax import nnx
 
   from nnx_zoo.common import hub
@@ -400,8 +402,16 @@ def test_episodes_continue_on_the_engine_reading_only_what_is_new(kit):
   settings = episodes.Settings(max_turns=3, max_new_tokens=6, max_episode_tokens=200,
                                temperature=0.0)  # fmt: skip
   make = episodes.engine_for(graphdef, params, settings)
-  (ep,) = agent.run([(prompt, {}, jax.random.key(0))], settings, engine_for=make)
+  (ep,) = agent.run([(prompt, {}, jax.random.key(0))], settings, engine_for=make, logprobs=True)
   assert ep.turns >= 2, ep
+  full = jax.nn.log_softmax(nnx.merge(graphdef, params)(np.asarray([ep.tokens]))[0], axis=-1)
+  want = np.zeros(len(ep.tokens), np.float32)
+  for p in np.flatnonzero(ep.mask):
+    want[p] = full[p - 1, ep.tokens[p]]
+  np.testing.assert_allclose(ep.logps, want, atol=1e-5)
+  laid = episodes.rows([ep, None], len(ep.tokens) + 3)
+  np.testing.assert_array_equal(laid["sampler_logps"][0, : len(ep.tokens) - 1], ep.logps[1:])
+  assert not laid["sampler_logps"][1].any()
   at, reread, context_len = ep.prompt_len, ep.prompt_len, 0
   tokens, mask = np.asarray(ep.tokens), np.asarray(ep.mask)
   for turn in range(ep.turns):
