@@ -1,7 +1,8 @@
 """GRPO on several processes: each samples, scores and weighs its own prompts' groups, and the
 step is the trainer's. Two processes on 127.0.0.1 (one fake CPU device each, mesh data=2) against
-one process holding both devices: the same rollouts, advantages, rewards and losses; and a run
-stopped between the two updates of one rollout (grpo.num_iterations=2) resumes bit for bit."""
+one process holding both devices: the same rollouts, advantages, rewards and losses, with
+single turns and with episodes that call tools; and a run stopped between the two updates of
+one rollout (grpo.num_iterations=2) resumes bit for bit."""
 
 import json
 import pathlib
@@ -23,6 +24,14 @@ if "--coordinator" in args:
   get = lambda flag: args[args.index(flag) + 1]
   distributed.initialize(get("--coordinator"), int(get("--num-processes")),
                          int(get("--process-id")))
+if args[2:3] == ["tools"]:  # episodes whose every turn is a call (tests/common/test_grpo_tools.py)
+  import os
+  sys.path.insert(0, os.path.join(os.getcwd(), "tests", "common"))
+  import test_grpo_tools
+  from nnx_zoo.common.tasks import episodes, tool_calls
+  call = tool_calls.ToolCall("multiply", '{"a": 2, "b": 3}')
+  tool_calls.Reader.read = lambda self, text: tool_calls.Reading(text, [call], "template")
+  episodes.engine_for = lambda *a: lambda count, longest: test_grpo_tools.Drawn()
 import jax
 from nnx_zoo.common import experiments
 from nnx_zoo.common.tasks import grpo
@@ -127,3 +136,44 @@ def test_two_processes_resume_between_the_updates_of_a_rollout(runs):
   for step in (3, 4):
     for k in ("loss", "grad_norm", "clip_ratio"):
       assert got[(step, "train")][k] == want[(step, "train")][k], (step, k)
+
+
+@pytest.fixture(scope="module")
+def tool_runs(tmp_path_factory, forced_devices):
+  """Episodes calling `multiply` (scripted turns, as tests/common/test_grpo_tools.py plays
+  them): 2 steps on one process with two devices, and on two processes with one each."""
+  import sys
+
+  sys.path.insert(0, str(pathlib.Path(__file__).parent))
+  import test_grpo_tools
+
+  tmp = tmp_path_factory.mktemp("grpo-tools-processes")
+  (tmp / "chars.py").write_text(REWARD_PY)
+  settings = json.dumps(test_grpo_tools.overrides(tmp, **{
+    "grpo.reward": f"{tmp / 'chars.py'}:chars", "grpo.scale_rewards": "batch",
+    "mesh.data": "2", "train.steps": "2", "train.checkpoint_every": "2", "train.eval_every": "2",
+  }))  # fmt: skip
+  one, two = tmp / "one", tmp / "two"
+  forced_devices.succeed(["-c", WORKER, settings, str(one), "tools"], devices=2)
+  procs = forced_devices.hosts(["-c", WORKER, settings, str(two), "tools"], processes=2, devices=1)
+  forced_devices.finish(procs)
+  return one, two
+
+
+def test_two_processes_play_episodes_with_tools_as_one(tool_runs):
+  """Each process plays its own prompts' episodes (the tool's results in their rows): the
+  rows side by side are the one process's, bit for bit, their advantages to 1e-5, and the
+  logged rewards, losses, turns and calls equal."""
+  one_dir, two_dir = tool_runs
+  one, two = rows(one_dir, 1), rows(two_dir, 2)
+  assert len(one) == len(two) == 2
+  for a, b in zip(one, two, strict=True):
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    np.testing.assert_allclose(a["advantages"], b["advantages"], rtol=1e-5)
+  want, got = lines(one_dir), lines(two_dir)
+  assert want.keys() == got.keys()
+  assert want[(1, "train")]["turns"] > 1 and want[(1, "train")]["tool_calls"] > 0
+  for key, line in want.items():
+    for k in ("loss", "grad_norm", "reward", "turns", "tool_calls", "context_tokens"):
+      if k in line:
+        assert got[key][k] == pytest.approx(line[k], rel=1e-5, abs=1e-7), (key, k)

@@ -63,7 +63,9 @@ SHORT = (
 )
 
 
-def config(tmp_path, **overrides):
+def overrides(tmp_path, **more) -> dict:
+  """chat/grpo:smoke's overrides for episodes calling `multiply` on 8 training prompts (their
+  files written in tmp_path)."""
   records = [
     {"prompt": [{"role": "user", "content": f"{i} x 2?"}], "answer": str(2 * i)} for i in range(12)
   ]
@@ -87,7 +89,11 @@ def config(tmp_path, **overrides):
     "train.checkpoint_every": "2",
     "train.eval_every": "4",
   }
-  return experiments.get_config("chat/grpo:smoke", {**base, **overrides})
+  return {**base, **more}
+
+
+def config(tmp_path, **more):
+  return experiments.get_config("chat/grpo:smoke", overrides(tmp_path, **more))
 
 
 def test_each_bad_input_is_refused_before_a_step(tmp_path):
