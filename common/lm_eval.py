@@ -305,9 +305,7 @@ def read_config(workdir: str):
     )
   with open(path) as f:
     cfg = config_lib.from_json(f.read())
-  task = tasks.of(cfg).name
-  if task not in ("language_model", "dpo"):
-    raise UserError(f"`zoo lm-eval` scores a decoder LM; {workdir} holds a {task} model.")
+  tasks.decoder_task(cfg, "zoo lm-eval", workdir)
   return cfg
 
 

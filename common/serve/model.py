@@ -69,9 +69,7 @@ def cast(model_cfg, params, dtype: str):
 def load(cfg, workdir: str, *, slots: int, max_len: int | None, dtype: str | None) -> Served:
   """The model of a workdir (a `zoo run` or `zoo convert` output; a LoRA run's adapters merged)
   in an engine of `slots` x `max_len` (default: the model's context, at most DEFAULT_MAX_LEN)."""
-  task = tasks.of(cfg).name
-  if task not in ("language_model", "dpo", "distill"):
-    raise UserError(f"`zoo serve` serves a decoder; {workdir} holds a {task} model.")
+  tasks.decoder_task(cfg, "zoo serve", workdir)
   if dtype is not None and dtype not in DTYPES:
     raise UserError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}.")
   tokenizer = tokenizers.load(cfg.data.tokenizer)

@@ -46,6 +46,9 @@ class Task:
   # The model's rows in one example of the batch: a preference pair is two (`zoo plan` counts
   # a step's tokens as train.batch_size x this x the row's length).
   rows_per_example: int = 1
+  # The run's model is a decoder language model (pretrained, SFT, DPO, distilled, GRPO): `zoo
+  # generate`, `zoo chat`, `zoo serve` and `zoo lm-eval` talk to it (`decoder_task`).
+  decoder: bool = False
 
   def loss_sums(self, model, batch: dict, *, loss_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
     """The batch's summed training loss and the count it is the mean over."""
@@ -116,8 +119,20 @@ class Task:
     return None
 
   def generate(self, args, cfg) -> None:
-    """`zoo generate --workdir W` of a run of this task (prints or writes what it makes)."""
+    """`zoo generate --workdir W` of a run of this task (prints or writes what it makes); a
+    decoder's continues the prompt, as a language model's."""
+    if self.decoder and self.name != "language_model":
+      return get("language_model").generate(args, cfg)
     raise UserError(f"`zoo generate` has nothing to make for a {self.name} model.")
+
+
+def decoder_task(cfg, command: str, workdir: str) -> Task:
+  """The run's task, refused in one line unless its model is a decoder LM (`command` talks to
+  one)."""
+  task = of(cfg)
+  if not task.decoder:
+    raise UserError(f"`{command}` talks to a decoder LM; {workdir} holds a {task.name} model.")
+  return task
 
 
 _TASKS: dict[str, Task] = {}

@@ -241,6 +241,7 @@ def check_settings(s, cfg):
 
 class Distill(tasks.Task):
   name = "distill"
+  decoder = True
 
   def __init__(self, settings=None, teacher: Teacher | None = None):
     self.s = settings
@@ -313,9 +314,6 @@ class Distill(tasks.Task):
 
   def context_rows(self, batch):
     return None  # the teacher's rows are not split over mesh.context
-
-  def generate(self, args, cfg):  # the student is a language model
-    tasks.get("language_model").generate(args, cfg)
 
   # Set-up
 

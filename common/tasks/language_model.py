@@ -13,6 +13,7 @@ from nnx_zoo.common.tasks import losses
 
 class LanguageModel(tasks.Task):
   name = "language_model"
+  decoder = True
 
   def loss_sums(self, model, batch, *, loss_chunk=0):
     return losses.loss_sums(model, batch, loss_chunk=loss_chunk)
@@ -61,8 +62,7 @@ def chat(args, cfg):
   from nnx_zoo.common.data import tokenizers
   from nnx_zoo.common.hub import weights
 
-  if tasks.of(cfg).name not in ("language_model", "dpo", "distill"):
-    raise UserError(f"`zoo chat` talks to a decoder; {args.workdir} holds a {tasks.of(cfg).name}.")
+  tasks.decoder_task(cfg, "zoo chat", args.workdir)
   template = chat_data.template(cfg.data)
   tokenizer = tokenizers.load(cfg.data.tokenizer)
   toolset, schemas = {}, None
@@ -74,7 +74,6 @@ def chat(args, cfg):
       raise UserError(f"The chat template of {args.workdir} takes no tools: leave --tools out.")
     toolset = {t.name: t for t in tools_lib.load_tools(args.tools, what="--tools")}
     schemas = [t.schema for t in toolset.values()]
-    reader = tool_calls.reader(template.source)
   options = sampling_options(args)
   rng = options.pop("rng")
   messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -128,23 +127,55 @@ def chat(args, cfg):
       end = template.end_of_turn
       return text.split(end)[0] if end else text
 
+    agent = None
+    if toolset:  # the conversation kept as tokens: the model's turns exactly as it wrote them
+      from nnx_zoo.common.tasks import episodes
+
+      agent = episodes.Agent(list(toolset.values()), None, forms=",".join(tool_calls.FORMS))
+      agent.prepare(template, tokenizer)
+    convo: list[int] = []  # with --tools: the tokens of messages[:shown], as the model read them
+    shown = 0
+
     def reply(messages, rng):
       """The model's answer; with --tools, its calls run between its turns (each call and its
-      result on stderr, appended to `messages`) until a turn makes none (at most MAX_TOOL_TURNS)."""
+      result on stderr, appended to `messages`) until a turn makes none (at most MAX_TOOL_TURNS).
+      Its turns stay as it wrote them (a call as bare JSON too), the template's and the tools'
+      tokens between them, as GRPO's episodes are played: a model trained on its episodes
+      reads the same here (the template's rendering of its calls is another text)."""
+      nonlocal shown
+      if agent is None:
+        return answer(messages, rng)
+      convo[:] = encode(messages) if not convo else convo + agent.context(
+        messages[:shown], messages[shown:]
+      )  # fmt: skip
       for turn in range(MAX_TOOL_TURNS):
-        text = answer(messages, jax.random.fold_in(rng, turn) if turn else rng)
-        reading = reader.read(text) if toolset else None
-        if not reading or not reading.calls:
+        eng = readied.result()
+        key = jax.random.fold_in(rng, turn) if turn else rng
+        eng.submit(convo, params, key=jax.random.split(key, 1)[0])
+        new = eng.run().popitem()[1] if eng.busy else []
+        convo.extend(new)
+        stopped = bool(new) and new[-1] in params.stop_ids
+        text = tokenizer.decode(new[:-1] if stopped else new)
+        reading = agent.reader.read(text)
+        if not stopped:  # cut at --max-new-tokens: closed as the template closes a turn
+          convo.append(agent.end_id)
+        if not reading.calls:
+          messages.append({"role": "assistant", "content": text})
+          shown = len(messages)
           return text
         calls = [
           {"type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
           for c in reading.calls
         ]
         messages.append({"role": "assistant", "content": reading.content, "tool_calls": calls})
+        results = []
         for c in reading.calls:
           got = tools_lib.run(toolset, c.name, c.arguments, timeout_s=TOOL_TIMEOUT_S)
           print(f"[{c.name}({c.arguments}) -> {got.content}]", file=sys.stderr, flush=True)
-          messages.append({"role": "tool", "name": c.name, "content": got.content})
+          results.append({"role": "tool", "name": c.name, "content": got.content})
+        convo.extend(agent.context(messages, results))
+        messages.extend(results)
+        shown = len(messages)
       return text
 
     if args.messages is not None:
@@ -159,7 +190,8 @@ def chat(args, cfg):
       messages.append({"role": "user", "content": line.rstrip("\n")})
       said = reply(messages, jax.random.fold_in(rng, turn))
       print(said, flush=True)
-      messages.append({"role": "assistant", "content": said})
+      if agent is None:  # (with tools, reply keeps the messages it played)
+        messages.append({"role": "assistant", "content": said})
 
 
 CHAT_MAX_LEN = 4096  # the longest conversation `zoo chat` holds (its cache grows as it goes)

@@ -71,6 +71,7 @@ def pair_slots(x_RT: jax.Array, segment_ids_RT: jax.Array, *, B: int, L: int) ->
 
 class DPO(tasks.Task):
   name = "dpo"
+  decoder = True
   rows_per_example = 2  # the chosen and the rejected reply
 
   def __init__(self, beta: float | None = None, *, packed: bool = False):

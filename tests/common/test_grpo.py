@@ -517,7 +517,8 @@ def test_reference_is_init_from_and_under_lora_the_base(tmp_path):
 def test_trains_a_hugging_face_checkpoint_with_its_chatml_template(tmp_path):
   """init_from a Hugging Face directory (the tiny random Llama with a BPE tokenizer and ChatML,
   as SmolLM2-Instruct has): its template renders the prompts, its one-token <|im_end|> ends the
-  completions (and the sampler's loop), and it is the reference of a KL (0 at the start)."""
+  completions (and the sampler's loop), and it is the reference of a KL (0 at the start); the
+  run's model then answers `zoo chat` and `zoo generate`."""
   tiny = pytest.importorskip("nnx_zoo.common.hub.tiny")
   path = tiny.checkpoint("tiny:llama")
   src = weights.source(path)
@@ -531,6 +532,14 @@ def test_trains_a_hugging_face_checkpoint_with_its_chatml_template(tmp_path):
     lines = [json.loads(line) for line in f]
   assert lines[0]["kl"] < 1e-6 and all(np.isfinite(r["loss"]) for r in lines)
   assert lines[-1]["split"] == "eval" and 0 <= lines[-1]["reward"] <= 1
+  # The run's model is a decoder: `zoo chat` and `zoo generate` talk to it.
+  from nnx_zoo.common import cli
+
+  (tmp_path / "m.json").write_text(json.dumps([{"role": "user", "content": "2 + 3?"}]))
+  run = str(tmp_path / "run")
+  options = ["--temperature", "0", "--max-new-tokens", "4"]
+  assert cli.main(["chat", "--workdir", run, "--messages", str(tmp_path / "m.json"), *options]) == 0
+  assert cli.main(["generate", "--workdir", run, "--prompt", "2 + 3 =", *options]) == 0
 
 
 def test_the_shipped_rewards():

@@ -455,9 +455,21 @@ def test_zoo_chat_runs_the_tools_between_turns(tmp_path, capsys, monkeypatch):
     return tool_calls.Reading("", [call] if len(reads) == 1 else [], "template")
 
   monkeypatch.setattr(tool_calls.Reader, "read", read)
+  prompts, submit = [], engine.Engine.submit
+  monkeypatch.setattr(
+    engine.Engine, "submit", lambda e, p, *a, **k: prompts.append(list(p)) or submit(e, p, *a, **k)
+  )
   capsys.readouterr()
   assert cli.main(argv) == 0
   out, err = capsys.readouterr()
   assert '[multiply({"a": 2, "b": 3}) -> 6]' in err
   assert out.rstrip("\n") == reads[1]  # the answer: the turn after the tool's result
   assert rendered[-1][-1] == {"role": "tool", "name": "multiply", "content": "6"}
+  # The second turn reads the first as the model wrote it (not the template's rendering of its
+  # call), then the tool's result: what a GRPO episode holds.
+  first, second = prompts[-2:]
+  from nnx_zoo.common.hub import tiny
+
+  tokenizer = tokenizers.load(tokenizers.config(kind="hf", path=tiny.checkpoint("tiny:llama")))
+  assert second[: len(first)] == first
+  assert reads[0] in tokenizer.decode(second[len(first) :])
