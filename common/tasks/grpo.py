@@ -377,6 +377,7 @@ def widen(rows: dict, width: int) -> dict:
 
 class GRPO(tasks.Task):
   name = "grpo"
+  decoder = True
 
   def __init__(self, settings=None, rewards=(), agent=None):
     self.s = settings
@@ -546,7 +547,8 @@ class GRPO(tasks.Task):
     from nnx_zoo.common.data import pipeline
 
     self._stream = data.iterator if isinstance(data.iterator, pipeline.PromptStream) else None
-    if self._stream is None and (s.num_iterations > 1 or s.filter_tied_groups):
+    training = data.iterator is not None  # `zoo eval` loads the held-out split alone
+    if self._stream is None and training and (s.num_iterations > 1 or s.filter_tied_groups):
       raise UserError(
         "grpo.num_iterations > 1 and grpo.filter_tied_groups draw on the prompts' stream of "
         f"data.format=prompts, which data.kind={cfg.data.kind!r} does not give."

@@ -14,10 +14,11 @@ the slowest step seen in the last ~`WINDOW` steps (the first step excluded: it c
 least `AUTO_MIN_S`; until a step after the first has been measured, at least `FIRST_FACTOR`
 times the first step (a GRPO step that samples for minutes takes about as long as its first,
 compilation aside: the next step must not be taken as hung for it). The watchdog starts with
-the training loop; until its first `warmup_steps` steps have ended (the first compiles the step; the trainer passes `train.log_every`, as jax dispatches
-steps ahead of the device and the loop first waits for them all at the first logged step, so a
-slow step's time is only seen from there) and while it evaluates (which compiles its own
-program), `FIRST_S` more are allowed.
+the training loop; until its first `warmup_steps` steps have ended (the first compiles the
+step; the trainer passes `train.log_every`, as jax dispatches steps ahead of the device and the
+loop first waits for them all at the first logged step, so a slow step's time is only seen
+from there) and while it evaluates (which compiles its own program), `FIRST_S` more are
+allowed.
 """
 
 import contextlib

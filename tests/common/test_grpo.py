@@ -825,3 +825,12 @@ def test_a_bfloat16_sampler_under_an_fp32_step_logs_its_mismatch_and_caps_the_we
   rows = bf16[0]
   w = rows["loss_weights"][:, 1:] > 0
   assert (rows["sampler_logps"][w] < 0).all() and not rows["sampler_logps"][~w].any()
+
+
+def test_zoo_eval_takes_a_run_that_draws_on_the_prompt_stream(tmp_path):
+  """`zoo eval` loads the held-out split alone: a run with dynamic sampling or several updates a
+  rollout (which draw on the training prompts' stream) is evaluated, not refused."""
+  cfg = smoke(tmp_path, **{"grpo.filter_tied_groups": "True", "grpo.num_iterations": "2"})
+  held_out = trainer.load_data(cfg, train=False)
+  assert held_out.iterator is None
+  tasks.of(cfg).prepare(held_out, cfg=cfg)
