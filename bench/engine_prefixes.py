@@ -13,7 +13,7 @@ import time
 
 import jax
 
-from nnx_zoo.common import engine, experiments, tasks
+from nnx_zoo.common import experiments, tasks
 from nnx_zoo.common.hub import weights
 from nnx_zoo.common.tasks import episodes
 from nnx_zoo.common.train import trainer
@@ -39,14 +39,7 @@ def main():
   read = {}
 
   def play(share: bool):
-    def make(count, longest):
-      eng = engine.Engine(
-        (task._graphdef, params), slots=count, max_len=longest + settings.max_episode_tokens,
-        prefill_chunk=1024, decode_steps=engine.STATIC_DECODE_STEPS, check_memory=False,
-        share_prefixes=share,
-      )  # fmt: skip
-      return eng
-
+    make = episodes.engine_for(task._graphdef, params, settings, share_prefixes=share)
     t = time.perf_counter()
     played = task.agent.run(starts, settings, engine_for=make, max_prompt=cfg.data.seq_len)
     seconds = time.perf_counter() - t

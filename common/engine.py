@@ -493,6 +493,8 @@ class Engine:
       req = self._requests[self._waiting.popleft()]
       # The free slot holding the longest prefix of the prompt (at least one prompt token is
       # read again: its logits give the first new token); prompt log-probs need them all.
+      # No prefix to reuse: the lowest free slot (a step decodes the first slots, up to the
+      # highest running one).
       best, match = free[0], 0
       if not req.params.prompt_logprobs:
         limit = len(req.prompt) - 1
@@ -500,8 +502,6 @@ class Engine:
           m = _common_prefix(self._held[s], req.prompt, limit)
           if m > match:
             best, match = s, m
-        # No prefix to reuse: the lowest free slot (a step decodes the first slots, up to the
-        # highest running one).
         source, shared = self._shared_prefix(req.prompt, limit, least=match + MIN_SHARED)
         if source is not None:
           if len(self._held[source]) < shared or source in copied_to:

@@ -244,12 +244,8 @@ class Agent:
     text = self.tokenizer.decode(new[:-1] if stopped else new)
     reading = self.reader.read(text)
     ep.unparsed_turns += int(reading.malformed)
-    message = {"role": "assistant", "content": reading.content}
+    message = assistant_message(reading)
     if reading.calls:
-      message["tool_calls"] = [
-        {"type": "function", "function": {"name": c.name, "arguments": _object(c.arguments)}}
-        for c in reading.calls
-      ]
       ep.tool_calls += len(reading.calls)
       ep.template_calls += len(reading.calls) * (reading.form == "template")
     ep.messages.append(message)
@@ -281,7 +277,19 @@ class Agent:
     return True
 
 
-def engine_for(graphdef, params, settings: Settings):
+def assistant_message(reading: tool_calls.Reading) -> dict:
+  """A turn as a message: its text besides the calls, and the calls (`arguments` as objects,
+  as TRL passes them to rewards and chat templates render them)."""
+  message = {"role": "assistant", "content": reading.content}
+  if reading.calls:
+    message["tool_calls"] = [
+      {"type": "function", "function": {"name": c.name, "arguments": _object(c.arguments)}}
+      for c in reading.calls
+    ]
+  return message
+
+
+def engine_for(graphdef, params, settings: Settings, *, share_prefixes: bool = True):
   """`Agent.run`'s engine: a slot an episode, each as long as the longest prompt and the
   episode's tokens."""
 
@@ -289,6 +297,7 @@ def engine_for(graphdef, params, settings: Settings):
     return engine_lib.Engine(
       (graphdef, params), slots=count, max_len=longest_prompt + settings.max_episode_tokens,
       prefill_chunk=1024, decode_steps=engine_lib.STATIC_DECODE_STEPS, check_memory=False,
+      share_prefixes=share_prefixes,
     )  # fmt: skip
 
   return make

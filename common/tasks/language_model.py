@@ -67,7 +67,7 @@ def chat(args, cfg):
   tokenizer = tokenizers.load(cfg.data.tokenizer)
   toolset, schemas = {}, None
   if getattr(args, "tools", None):
-    from nnx_zoo.common.tasks import tool_calls
+    from nnx_zoo.common.tasks import episodes, tool_calls
     from nnx_zoo.common.tasks import tools as tools_lib
 
     if not tool_calls.takes_tools(template.source):
@@ -115,12 +115,15 @@ def chat(args, cfg):
     first = messages if args.messages is not None else [*messages, {"role": "user", "content": ""}]
     readied = worker.submit(ready, len(encode(first)))
 
-    def answer(messages, rng):
-      prompt = encode(messages)
+    def sample(prompt, rng) -> list[int]:
+      """The turn's new tokens (its stop token included)."""
       eng = readied.result()  # raises what the restore raised
       # The key `generate` gives its one row, so a turn's reply is what it was before the engine.
       eng.submit(prompt, params, key=jax.random.split(rng, 1)[0])
-      new = eng.run().popitem()[1] if eng.busy else []
+      return eng.run().popitem()[1] if eng.busy else []
+
+    def answer(messages, rng):
+      new = sample(encode(messages), rng)
       if tokenizer.eos_id is not None and tokenizer.eos_id in new:
         new = new[: new.index(tokenizer.eos_id)]
       text = tokenizer.decode(new)
@@ -129,8 +132,6 @@ def chat(args, cfg):
 
     agent = None
     if toolset:  # the conversation kept as tokens: the model's turns exactly as it wrote them
-      from nnx_zoo.common.tasks import episodes
-
       agent = episodes.Agent(list(toolset.values()), None, forms=",".join(tool_calls.FORMS))
       agent.prepare(template, tokenizer)
     convo: list[int] = []  # with --tools: the tokens of messages[:shown], as the model read them
@@ -145,14 +146,10 @@ def chat(args, cfg):
       nonlocal shown
       if agent is None:
         return answer(messages, rng)
-      convo[:] = encode(messages) if not convo else convo + agent.context(
-        messages[:shown], messages[shown:]
-      )  # fmt: skip
+      # What the conversation added since the model's last turn (all of it, at the start).
+      convo.extend(agent.context(messages[:shown], messages[shown:]) if convo else encode(messages))
       for turn in range(MAX_TOOL_TURNS):
-        eng = readied.result()
-        key = jax.random.fold_in(rng, turn) if turn else rng
-        eng.submit(convo, params, key=jax.random.split(key, 1)[0])
-        new = eng.run().popitem()[1] if eng.busy else []
+        new = sample(convo, jax.random.fold_in(rng, turn) if turn else rng)
         convo.extend(new)
         stopped = bool(new) and new[-1] in params.stop_ids
         text = tokenizer.decode(new[:-1] if stopped else new)
@@ -163,11 +160,7 @@ def chat(args, cfg):
           messages.append({"role": "assistant", "content": text})
           shown = len(messages)
           return text
-        calls = [
-          {"type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
-          for c in reading.calls
-        ]
-        messages.append({"role": "assistant", "content": reading.content, "tool_calls": calls})
+        messages.append(episodes.assistant_message(reading))
         results = []
         for c in reading.calls:
           got = tools_lib.run(toolset, c.name, c.arguments, timeout_s=TOOL_TIMEOUT_S)

@@ -124,8 +124,6 @@ def score(rewards: list[Reward], prompts: list, completions: list, fields: dict)
 def _text(completion) -> str:
   """A completion's text: the string itself, or its last assistant message's content (a turn's
   only message; an episode's final answer, after its tool calls and results)."""
-  if isinstance(completion, str):
-    return completion
   return _last_reply(completion).get("content") or ""
 
 
