@@ -23,7 +23,11 @@ EXP = "chat/smollm2-arithmetic-grpo"
 BATCH = 4  # the recipe's prompts a step
 NAN = float("nan")
 
-# name -> overrides of the recipe's grpo section (TRL's names).
+# The plain GRPO step, the recipe's default before the scan: every setting starts from it, so a
+# row's meaning does not move with the recipe's defaults (which are now the scan's best).
+PLAIN = {"filter_tied_groups": False, "num_iterations": 1, "epsilon_high": 0.0}
+
+# name -> overrides of the plain step's grpo section (TRL's names).
 SETTINGS = {
   "base": {},
   "mu2": {"num_iterations": 2},
@@ -33,6 +37,11 @@ SETTINGS = {
   "soft-punish": {"soft_punish_cache": 8},
   "grpo-loss": {"loss_type": "grpo"},
   "filter-mu2-clip-higher": {"filter_tied_groups": True, "num_iterations": 2, "epsilon_high": 0.28},
+  "filter-mu2-gspo": {
+    "filter_tied_groups": True,
+    "num_iterations": 2,
+    "importance_sampling_level": "sequence",
+  },
 }
 
 
@@ -74,7 +83,7 @@ def run(name, seed, out, steps):
   if os.path.exists(workdir):  # a run stopped half-way: its time would not add up
     subprocess.run(["rm", "-rf", workdir], check=True)
   argv = ["zoo", "run", EXP, "--workdir", workdir, "--quiet", f"--config.seed={seed}"]
-  argv += [f"--config.grpo.{k}={v}" for k, v in SETTINGS[name].items()]
+  argv += [f"--config.grpo.{k}={v}" for k, v in {**PLAIN, **SETTINGS[name]}.items()]
   t0, cpu0 = time.time(), children_cpu()
   print(" ".join(argv), flush=True)
   subprocess.run(argv, check=True)
@@ -117,7 +126,7 @@ def main():
     n = len(rows)
     # Each column's mean over the seeds that have it (a run not timed by this script has no CPU).
     mean = [float(np.nanmean([r[i] for r in rows])) for i in range(5)]
-    over = ", ".join(f"{k}={v}" for k, v in SETTINGS[name].items()) or "(the recipe's)"
+    over = ", ".join(f"{k}={v}" for k, v in SETTINGS[name].items()) or "(the plain step)"
     each = " (" + ", ".join(f"{r[1]:.3f}" for r in rows) + ")" if n > 1 else ""
     print(
       f"| {name} | {over} | {n} | {mean[0]:.3f} | {mean[1]:.3f}{each} | {mean[2] / 60:.1f} | "

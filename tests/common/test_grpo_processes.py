@@ -177,3 +177,40 @@ def test_two_processes_play_episodes_with_tools_as_one(tool_runs):
     for k in ("loss", "grad_norm", "reward", "turns", "tool_calls", "context_tokens"):
       if k in line:
         assert got[key][k] == pytest.approx(line[k], rel=1e-5, abs=1e-7), (key, k)
+
+
+def test_two_processes_under_restarts_end_as_the_unbroken_run(runs, forced_devices, tmp_path):
+  """`zoo run --restarts 2` as two processes, process 1 killed before update 4 (the second on
+  rollout 2): both supervisors restart their child, the job resumes from the last checkpoint
+  written whole (update 3's, the rollout's rows in it, or, when its asynchronous save had not
+  ended, update 2's) and ends with the unbroken two-process run's parameters and update-4 loss,
+  bit for bit."""
+  from flax import nnx
+
+  from nnx_zoo.common import experiments
+  from nnx_zoo.common.hub import weights
+
+  settings = json.loads(overrides(tmp_path, 4))
+  workdir = tmp_path / "run"
+  argv = ["-m", "nnx_zoo.common.cli", "run", "chat/grpo:smoke", "--workdir", workdir, "--quiet",
+          "--restarts", "2", *(f"--config.{k}={v}" for k, v in settings.items())]  # fmt: skip
+  procs = forced_devices.hosts(argv, processes=2, devices=1, env={"NNX_ZOO_INJECT": "kill@4:p1"})
+  forced_devices.finish(procs, timeout=600)
+  logs = [(workdir / "events" / f"supervisor-p{p}.jsonl").read_text() for p in (0, 1)]
+  events = [[json.loads(x) for x in log.splitlines()] for log in logs]
+  assert events[1][0]["cause"] == "signal 9 (SIGKILL)", events
+  assert [len(e) for e in events] == [1, 1], events
+  assert events[0][0]["resumed_from"] == events[1][0]["resumed_from"] in (2, 3), events
+
+  cfg = experiments.get_config("chat/grpo:smoke", settings)
+  params = {}
+  for name, where in (("straight", runs["two"]), ("restarted", workdir)):
+    _, state, step = weights.restore_params(cfg, str(where))
+    assert step == 4
+    params[name] = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(state)}
+  assert params["straight"].keys() == params["restarted"].keys()
+  for key, want in params["straight"].items():
+    np.testing.assert_array_equal(params["restarted"][key], want, err_msg=str(key))
+  want, got = lines(runs["two"]), lines(workdir)
+  for k in ("loss", "grad_norm", "clip_ratio"):
+    assert got[(4, "train")][k] == want[(4, "train")][k], k
