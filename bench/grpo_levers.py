@@ -27,7 +27,8 @@ NAN = float("nan")
 # row's meaning does not move with the recipe's defaults (which are now the scan's best).
 PLAIN = {"filter_tied_groups": False, "num_iterations": 1, "epsilon_high": 0.0}
 
-# name -> overrides of the plain step's grpo section (TRL's names).
+# name -> overrides of the plain step's grpo section (TRL's names); a dotted key is a path
+# in the whole config (optim.lr).
 SETTINGS = {
   "base": {},
   "mu2": {"num_iterations": 2},
@@ -41,6 +42,12 @@ SETTINGS = {
     "filter_tied_groups": True,
     "num_iterations": 2,
     "importance_sampling_level": "sequence",
+  },
+  "filter-mu2-clip-higher-lr2x": {
+    "filter_tied_groups": True,
+    "num_iterations": 2,
+    "epsilon_high": 0.28,
+    "optim.lr": 1e-4,
   },
 }
 
@@ -83,7 +90,8 @@ def run(name, seed, out, steps):
   if os.path.exists(workdir):  # a run stopped half-way: its time would not add up
     subprocess.run(["rm", "-rf", workdir], check=True)
   argv = ["zoo", "run", EXP, "--workdir", workdir, "--quiet", f"--config.seed={seed}"]
-  argv += [f"--config.grpo.{k}={v}" for k, v in {**PLAIN, **SETTINGS[name]}.items()]
+  for k, v in {**PLAIN, **SETTINGS[name]}.items():
+    argv.append(f"--config.{k if '.' in k else 'grpo.' + k}={v}")
   t0, cpu0 = time.time(), children_cpu()
   print(" ".join(argv), flush=True)
   subprocess.run(argv, check=True)
