@@ -254,35 +254,67 @@ class Distill(tasks.Task):
   def _teacher_graphdef(self):
     return nnx.graphdef(self.teacher.abstract())
 
-  def _terms(self, model, batch):
+  def _terms(self, model, batch, loss_chunk: int = 0):
     """Per target [B, T]: the divergence D at the temperature, the next-token cross-entropy, and
-    the targets' weights."""
+    the targets' weights. `loss_chunk` (train.loss_chunk): the student's head, and the
+    teacher's, run that many tokens at a time (`losses.decoder_token_map`): neither's [B, T, V]
+    logits exist whole."""
     s = self.s
+    T, kind, beta = float(s.temperature), s.loss, float(s.beta)
     rows = losses.next_token_rows(batch)
+    inputs, targets = rows["inputs"], rows["targets"]
     kw = dict(positions_BT=rows["positions"], segment_ids_BT=rows["segment_ids"])
-    logits = model(rows["inputs"], **kw)
-    ce = parallel.cross_entropy(logits, rows["targets"])
-    T = float(s.temperature)
-    if "teacher_logps" in batch:  # prepared top-k: both renormalised over the teacher's ids
-      ids = batch["teacher_ids"][:, 1:].astype(jnp.int32)
-      teacher = jax.nn.log_softmax(batch["teacher_logps"][:, 1:].astype(jnp.float32) / T, -1)
+
+    def against_top_k(logits, ids, teacher_logps):  # prepared: both over the teacher's ids
+      teacher = jax.nn.log_softmax(teacher_logps.astype(jnp.float32) / T, -1)
       student = jax.nn.log_softmax(losses.gather_vocab(logits, ids) / T, -1)
-      d = losses.divergence(student, teacher, kind=s.loss, beta=float(s.beta))
+      return losses.divergence(student, teacher, kind=kind, beta=beta)
+
+    def against_logits(logits, teacher_logits):
+      teacher = losses.log_softmax_vocab(teacher_logits.astype(jnp.float32) / T)
+      student = losses.log_softmax_vocab(logits.astype(jnp.float32) / T)
+      return losses.divergence(student, teacher, kind=kind, beta=beta, total=losses.sum_vocab)
+
+    prepared = "teacher_logps" in batch
+    if prepared:
+      teacher_xs = (batch["teacher_ids"][:, 1:].astype(jnp.int32), batch["teacher_logps"][:, 1:])
     else:
       frozen = nnx.merge(self._teacher_graphdef, batch[tasks.FROZEN])
-      t_logits = jax.lax.stop_gradient(frozen(rows["inputs"], **kw))
-      teacher = losses.log_softmax_vocab(t_logits.astype(jnp.float32) / T)
-      student = losses.log_softmax_vocab(logits.astype(jnp.float32) / T)
-      d = losses.divergence(
-        student, teacher, kind=s.loss, beta=float(s.beta), total=losses.sum_vocab
+    if not loss_chunk:
+      logits = model(inputs, **kw)
+      if prepared:
+        d = against_top_k(logits, *teacher_xs)
+      else:
+        d = against_logits(logits, jax.lax.stop_gradient(frozen(inputs, **kw)))
+      return d, parallel.cross_entropy(logits, targets), rows["weights"]
+
+    if prepared:
+      consts = None
+
+      def per_token(logits, _, targets, *teacher):
+        return against_top_k(logits, *teacher), parallel.cross_entropy(logits, targets)
+
+    else:  # the teacher's hidden states whole, its head a chunk at a time beside the student's
+      x, head, project = losses.hidden_and_head(
+        frozen, inputs, kw["segment_ids_BT"], kw["positions_BT"]
       )
+      teacher_xs = (jax.lax.stop_gradient(x),)
+      head_graphdef, consts = nnx.split(head)
+
+      def per_token(logits, head_state, targets, x):
+        teacher_logits = project(nnx.merge(head_graphdef, head_state), x)
+        d = against_logits(logits, jax.lax.stop_gradient(teacher_logits))
+        return d, parallel.cross_entropy(logits, targets)
+
+    d, ce = losses.decoder_token_map(
+      model, inputs, kw["segment_ids_BT"], per_token, chunk=loss_chunk,
+      positions_BT=kw["positions_BT"], xs=(targets, *teacher_xs), consts=consts,
+    )  # fmt: skip
     return d, ce, rows["weights"]
 
   def loss_sums(self, model, batch, *, loss_chunk=0):
-    if loss_chunk:
-      raise UserError("The distill task needs the student's whole logits: set train.loss_chunk=0.")
     s = self.s
-    d, ce, w = self._terms(model, batch)
+    d, ce, w = self._terms(model, batch, loss_chunk)
     T = float(s.temperature)
     per_token = (1.0 - s.alpha) * T * T * d + s.alpha * ce
     count = jnp.sum(w)

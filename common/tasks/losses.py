@@ -109,7 +109,7 @@ def head_cross_entropy_sum(
   return total(params, x_MD)
 
 
-def _hidden_and_head(model, inputs_BT, segment_ids_BT, positions_BT):
+def hidden_and_head(model, inputs_BT, segment_ids_BT, positions_BT):
   """A decoder's `hidden` states [B, T, D] and its output head (`output_head`: the module and
   the projection, the same as its `logits`, soft-cap included)."""
   if not hasattr(model, "output_head"):
@@ -119,6 +119,39 @@ def _hidden_and_head(model, inputs_BT, segment_ids_BT, positions_BT):
     )
   x_BTD, _ = model.hidden(inputs_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
   return x_BTD, *model.output_head()
+
+
+def decoder_token_map(
+  model, inputs_BT, segment_ids_BT, fn, *, chunk: int, positions_BT=None, xs=(), consts=None
+):
+  """`fn(logits_CV, consts, *xs_C)` per token of the rows, the decoder's head run `chunk` tokens
+  at a time: each chunk's logits (float32) are made, reduced by `fn` to per-token values (a
+  tuple of [C] arrays) and dropped, and made again in the backward pass (`jax.checkpoint`), so
+  the [B, T, V] logits and their gradient never exist whole. `xs`: arrays [B, T, ...] cut into
+  the chunks beside the tokens; `consts`: a pytree every chunk sees whole (a teacher's head).
+  Returns `fn`'s outputs as [B, T] arrays. For losses that are not a sum of cross-entropies
+  (GRPO's ratios, DPO's sequence sums, a distillation divergence), where
+  `head_cross_entropy_sum`'s gradient-in-the-forward does not apply: the head's matmuls run four
+  times a chunk, not three."""
+  x_BTD, head, project = hidden_and_head(model, inputs_BT, segment_ids_BT, positions_BT)
+  B, T, D = x_BTD.shape
+  M = B * T
+  chunk = min(chunk, M)
+  pad = -M % chunk
+
+  def chunks(a_BT):  # [B, T, ...] -> [J, C, ...]
+    a_M = a_BT.reshape(M, *a_BT.shape[2:])
+    return jnp.pad(a_M, [(0, pad)] + [(0, 0)] * (a_M.ndim - 1)).reshape(-1, chunk, *a_M.shape[1:])
+
+  graphdef, params, rest = nnx.split(head, nnx.Param, ...)
+
+  @jax.checkpoint
+  def one(params, consts, x_CD, xs_C):
+    logits_CV = project(nnx.merge(graphdef, params, rest), x_CD).astype(jnp.float32)
+    return fn(logits_CV, consts, *xs_C)
+
+  out_J = jax.lax.map(lambda a: one(params, consts, *a), (chunks(x_BTD), tuple(map(chunks, xs))))
+  return tuple(o.reshape(-1)[:M].reshape(B, T) for o in out_J)
 
 
 def decoder_token_logps(
@@ -132,27 +165,16 @@ def decoder_token_logps(
   temperature: float = 1.0,
 ) -> jax.Array:
   """[B, T] log-probability of each target under the logits / `temperature`, the head run
-  `chunk` tokens at a time: each chunk's logits are made, reduced to its tokens' log-probs
-  and dropped, and made again in the backward pass (`jax.checkpoint`), so the [B, T, V]
-  logits and their gradient never exist whole. For losses that are not a sum of
-  cross-entropies (GRPO's ratios), where `head_cross_entropy_sum`'s gradient-in-the-forward
-  does not apply: the head's matmuls run four times a chunk, not three."""
-  x_BTD, head, project = _hidden_and_head(model, inputs_BT, segment_ids_BT, positions_BT)
-  B, T, D = x_BTD.shape
-  M = B * T
-  chunk = min(chunk, M)
-  pad = -M % chunk
-  x_MD = jnp.pad(x_BTD.reshape(M, D), ((0, pad), (0, 0)))
-  targets_JC = jnp.pad(targets_BT.reshape(M), (0, pad)).reshape(-1, chunk)
-  graphdef, params, rest = nnx.split(head, nnx.Param, ...)
+  `chunk` tokens at a time (`decoder_token_map`)."""
 
-  @jax.checkpoint
-  def logps(params, x_CD, targets_C):
-    logits_CV = project(nnx.merge(graphdef, params, rest), x_CD).astype(jnp.float32)
-    return -parallel.cross_entropy(logits_CV / temperature, targets_C)
+  def logps(logits_CV, _, targets_C):
+    return (-parallel.cross_entropy(logits_CV / temperature, targets_C),)
 
-  logps_JC = jax.lax.map(lambda xs: logps(params, *xs), (x_MD.reshape(-1, chunk, D), targets_JC))
-  return logps_JC.reshape(-1)[:M].reshape(B, T)
+  (out,) = decoder_token_map(
+    model, inputs_BT, segment_ids_BT, logps, chunk=chunk, positions_BT=positions_BT,
+    xs=(targets_BT,),
+  )  # fmt: skip
+  return out
 
 
 def decoder_sums(
@@ -161,7 +183,7 @@ def decoder_sums(
   """`loss_sums`'s summed loss with the head run `chunk` tokens at a time: the decoder's
   `hidden` states, then its output head (`output_head`, the same projection and soft-cap as
   its `logits`) chunk by chunk."""
-  x_BTD, head, project = _hidden_and_head(model, inputs_BT, segment_ids_BT, positions_BT)
+  x_BTD, head, project = hidden_and_head(model, inputs_BT, segment_ids_BT, positions_BT)
   B, T, D = x_BTD.shape
   return head_cross_entropy_sum(
     head,

@@ -41,19 +41,27 @@ def config(beta: float = 0.1) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict({"beta": beta})
 
 
-def sequence_logps(model, batch: dict, *, packed: bool = False) -> jax.Array:
+def sequence_logps(model, batch: dict, *, packed: bool = False, loss_chunk: int = 0) -> jax.Array:
   """The log-probability of each pair's chosen and rejected reply: the sum, over the reply's
   tokens (`loss_weights`), of each token's log-probability given what comes before it. [B, 2]
   for rows of one pair each; `packed` (`data.pairs_per_row="packed"`), [B, P, 2] per pair slot
-  of each pair row (`pair_slots`)."""
+  of each pair row (`pair_slots`). `loss_chunk` (train.loss_chunk): the head run that many
+  tokens at a time, the [2B, L, V] logits never whole (`losses.decoder_token_logps`)."""
   B, _, L = batch["tokens"].shape
   flat = {k: batch[k].reshape(2 * B, L) for k in ("tokens", "segment_ids", "loss_weights")}
   rows = losses.next_token_rows(flat)
-  logits = model(rows["inputs"], positions_BT=rows["positions"], segment_ids_BT=rows["segment_ids"])
-  ce = parallel.cross_entropy(logits, rows["targets"])
+  inputs, pos, seg = rows["inputs"], rows["positions"], rows["segment_ids"]
+  if loss_chunk:
+    logp = losses.decoder_token_logps(
+      model, inputs, seg, rows["targets"], chunk=loss_chunk, positions_BT=pos
+    )
+  else:
+    logp = -parallel.cross_entropy(
+      model(inputs, positions_BT=pos, segment_ids_BT=seg), rows["targets"]
+    )
   if packed:
-    return pair_slots(-ce * rows["weights"], rows["segment_ids"], B=B, L=L)
-  return -jnp.sum(ce * rows["weights"], axis=-1).reshape(B, 2)
+    return pair_slots(logp * rows["weights"], seg, B=B, L=L)
+  return jnp.sum(logp * rows["weights"], axis=-1).reshape(B, 2)
 
 
 def pair_slots(x_RT: jax.Array, segment_ids_RT: jax.Array, *, B: int, L: int) -> jax.Array:
@@ -77,10 +85,10 @@ class DPO(tasks.Task):
   def __init__(self, beta: float | None = None, *, packed: bool = False):
     self.beta, self.packed = beta, packed
 
-  def _terms(self, model, batch):
+  def _terms(self, model, batch, loss_chunk: int = 0):
     """Per pair ([B] one pair a row, [B, P] packed): the policy's log-probabilities [..., 2],
     the rewards, their margin, and which pairs count."""
-    policy = sequence_logps(model, batch, packed=self.packed)
+    policy = sequence_logps(model, batch, packed=self.packed, loss_chunk=loss_chunk)
     rewards = self.beta * (policy - batch["reference"])
     margin = rewards[..., 0] - rewards[..., 1]
     # A pair counts with a reply token on both sides: not padding or an empty slot, nor a pair
@@ -98,9 +106,7 @@ class DPO(tasks.Task):
   def loss_sums(self, model, batch, *, loss_chunk=0):
     """The summed loss over the batch's pairs, and their count: the step's mean is over the
     pairs its pair rows hold (with packed rows, as many as fit)."""
-    if loss_chunk:
-      raise UserError("The dpo task sums each reply's log-probability: set train.loss_chunk=0.")
-    _, _, margin, pairs = self._terms(model, batch)
+    _, _, margin, pairs = self._terms(model, batch, loss_chunk)
     return jnp.sum(-jax.nn.log_sigmoid(margin) * pairs), jnp.sum(pairs)
 
   def eval_sums(self, model, batch, *, prompts=None):
@@ -158,8 +164,10 @@ class DPO(tasks.Task):
       )
     graphdef = nnx.graphdef(models.abstract(cfg.model))
     self._reference = reference.Reference(cfg, layout)
-    packed = self.packed
-    self._logps = jax.jit(lambda p, b: sequence_logps(nnx.merge(graphdef, p), b, packed=packed))
+    packed, chunk = self.packed, cfg.train.loss_chunk  # the reference's head chunked as well
+    self._logps = jax.jit(
+      lambda p, b: sequence_logps(nnx.merge(graphdef, p), b, packed=packed, loss_chunk=chunk)
+    )
     return self
 
   def complete(self, batch, params):

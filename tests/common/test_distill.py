@@ -163,6 +163,34 @@ def test_teacher_gets_no_gradient_and_no_optimizer_state(smoke_cfg):
   assert float(sums["aux"]["teacher_kl"]) > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["teacher", "top_k"])
+def test_a_chunked_head_gives_the_same_loss_and_gradients(smoke_cfg, form):
+  """train.loss_chunk (5 tokens at a time, chunks straddling rows and the padded end): the loss
+  (JSD and next-token, mixed) and every student gradient are the whole logits', against the
+  teacher's forward pass (its head chunked beside the student's) and against prepared top-k."""
+  cfg = smoke_cfg
+  graphdef, params = nnx.split(models.build(cfg.model, seed=0), nnx.Param)
+  rng = np.random.default_rng(5)
+  batch = rows_batch(cfg.model.vocab_size, rng, L=9)
+  if form == "teacher":
+    _, batch[tasks.FROZEN] = weights.init_from_params(distill.teacher_of(cfg).run_config())
+    task = distill.Distill(settings(loss="jsd", alpha=0.3, temperature=2.0), tasks.of(cfg).teacher)
+  else:
+    batch["teacher_ids"] = rng.integers(0, cfg.model.vocab_size, (2, 9, 4)).astype(np.int32)
+    batch["teacher_logps"] = log_softmax(rng.normal(size=(2, 9, 4))).astype(np.float32)
+    task = distill.Distill(settings(loss="jsd", alpha=0.3, temperature=2.0))
+
+  def loss(params, chunk):
+    return task.loss_sums(nnx.merge(graphdef, params), batch, loss_chunk=chunk)[0]
+
+  (want, g_want), (got, g_got) = (jax.value_and_grad(loss)(params, c) for c in (0, 5))
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+  for (k, a), (_, b) in zip(nnx.to_flat_state(g_want), nnx.to_flat_state(g_got), strict=True):
+    np.testing.assert_allclose(np.asarray(b[...]), np.asarray(a[...]), rtol=1e-4, atol=1e-6,
+                               err_msg=str(k))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def quantized_teachers(smoke_cfg):
   """The smoke teacher's abstract model and params in its own dtype and with each teacher_quant."""

@@ -354,6 +354,29 @@ def test_packed_loss_equals_one_pair_a_row(setup, packed_pairs):
   np.testing.assert_allclose(float(total), np.log1p(np.exp(-margin)).sum(), rtol=1e-5)
 
 
+def test_a_chunked_head_gives_the_same_loss_and_gradients(setup):
+  """train.loss_chunk (the head 7 tokens at a time, chunks straddling rows and the padded end):
+  the dpo loss and every parameter's gradient are those of the whole logits, and so are the
+  reference's log-probabilities (`sequence_logps`, which `complete` runs)."""
+  _, _, batch, model = setup
+  graphdef, params = nnx.split(model, nnx.Param)
+  whole = np.asarray(jitted(preference.sequence_logps)(model, batch))
+  chunked = nnx.jit(lambda m, b: preference.sequence_logps(m, b, loss_chunk=7))(model, batch)
+  np.testing.assert_allclose(np.asarray(chunked), whole, rtol=1e-6)
+  rng = np.random.default_rng(4)  # a reference near the policy: margins on both sides of 0
+  batch = dict(batch, reference=(whole + rng.uniform(-3, 3, whole.shape)).astype(np.float32))
+  task = preference.DPO(0.5)
+
+  def loss(params, chunk):
+    return task.loss_sums(nnx.merge(graphdef, params), batch, loss_chunk=chunk)[0]
+
+  (want, g_want), (got, g_got) = (jax.value_and_grad(loss)(params, c) for c in (0, 7))
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+  for (k, a), (_, b) in zip(nnx.to_flat_state(g_want), nnx.to_flat_state(g_got), strict=True):
+    np.testing.assert_allclose(np.asarray(b[...]), np.asarray(a[...]), rtol=1e-4, atol=1e-6,
+                               err_msg=str(k))  # fmt: skip
+
+
 def test_packed_pair_rows_train_batches_resume_exactly(tmp_path):
   """Start-up packs short pairs several a row (fewer rows, every pair kept once, each
   conversation whole), and the training iterator restored from its state gives the same
