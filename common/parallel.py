@@ -253,6 +253,13 @@ def check_experiment(cfg, sizes: dict[str, int]):
     cfg.train.micro_batches,
     seq_len=cfg.data.get("seq_len", 0),
   )
+  held_out = cfg.train.get("eval_batch_size", 0)
+  shards = int(np.prod([sizes.get(a, 1) for a in BATCH_AXES]))
+  if held_out % shards:
+    raise UserError(
+      f"The mesh {sizes} does not fit: train.eval_batch_size={held_out} is not divisible by "
+      f"data x fsdp x expert = {shards}. Give a multiple of {shards} (or 0: train.batch_size)."
+    )
   check_pipeline(cfg, sizes)
 
 

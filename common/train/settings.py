@@ -11,6 +11,7 @@ TRAIN = {
   "log_every": 10,
   "eval_every": 0,  # 0: no evaluation while training (`zoo eval` evaluates a workdir)
   "eval_batches": 0,  # 0: every held-out batch
+  "eval_batch_size": 0,  # held-out rows (examples) a batch; 0: batch_size
   "checkpoint_every": 1000,
   "keep_checkpoints": 3,
   # > 0: also save a temporary checkpoint when this many minutes have passed since the last
@@ -80,6 +81,11 @@ def train(**overrides) -> ml_collections.ConfigDict:
 def optim(**overrides) -> ml_collections.ConfigDict:
   """The `optim` config: OPTIM's defaults with `overrides`."""
   return _make("optim", OPTIM, overrides)
+
+
+def eval_batch_size(cfg) -> int:
+  """The held-out examples a batch: train.eval_batch_size, or train.batch_size where it is 0."""
+  return cfg.train.get("eval_batch_size", 0) or cfg.train.batch_size
 
 
 def complete(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -29,6 +29,7 @@ from nnx_zoo.common.train import (
   goodput,
   inject,
   optim,
+  settings,
   stragglers,
   wallclock,
   watchdog,
@@ -260,7 +261,14 @@ def load_data(
   batch_size = cfg.train.batch_size
   share = parallel.process_rows(layout, batch_size)
   data = kinds.load(cfg, train=train, batch_size=batch_size, share=share, checked=checked)
-  return dataclasses.replace(data, eval_batches=functools.partial(data.eval_batches, share=share))
+  held_out = data.eval_batches
+
+  def eval_batches(split, *, batch_size: int, **kw):  # this process's rows of each batch
+    return held_out(
+      split, batch_size=batch_size, share=parallel.process_rows(layout, batch_size), **kw
+    )
+
+  return dataclasses.replace(data, eval_batches=eval_batches)
 
 
 def check_workdir(cfg, workdir: str):
@@ -330,7 +338,7 @@ def evaluate(
   for name, held_out in parts.items():
     part = {}
     for batch in data.eval_batches(
-      held_out, batch_size=cfg.train.batch_size, max_batches=cfg.train.eval_batches
+      held_out, batch_size=settings.eval_batch_size(cfg), max_batches=cfg.train.eval_batches
     ):
       batch = task.complete(steps.put_batch(batch, layout, task), params)
       if check_memory:  # jit keeps the program compiled here for the calls below
@@ -358,6 +366,6 @@ def check_eval_step(step, params, batch, *, cfg):
     raise device_memory.refusal(
       f"{cfg.get('experiment', '') or 'The experiment'}'s eval step",
       fit,
-      "Lower --config.train.batch_size (the held-out rows a step), or use a device with more "
+      "Lower --config.train.eval_batch_size (the held-out rows a step), or use a device with more "
       "memory.",
     )

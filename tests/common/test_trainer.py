@@ -1,6 +1,7 @@
 """common/trainer.py: the loss, the optimizer, determinism, exact resumption, checkpoints and
 init_from, on the smoke form of lm/shakespeare-char (a few steps each)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import pytest
 from flax import nnx
 
 from nnx_zoo.common import config as config_lib
-from nnx_zoo.common import experiments, models
+from nnx_zoo.common import experiments, models, parallel
 from nnx_zoo.common.data import pipeline
 from nnx_zoo.common.errors import UserError
 from nnx_zoo.common.hub import checkpoint, weights
@@ -206,6 +207,40 @@ def test_linear_and_constant_schedules():
   np.testing.assert_allclose(float(optim.schedule(optim_config(warmup_steps=100), 4)(3)), lr)
   with pytest.raises(UserError, match="exponential"):
     optim.schedule(optim_config(schedule="exponential"), 10)
+
+
+# Held-out evaluation
+
+
+def recorded(data):
+  """`data` whose held-out batches are kept, as they are read, in the list returned beside it."""
+  seen, eval_batches = [], data.eval_batches
+
+  def recording(*args, **kw):
+    for batch in eval_batches(*args, **kw):
+      seen.append(batch)
+      yield batch
+
+  return dataclasses.replace(data, eval_batches=recording), seen
+
+
+def test_eval_batch_size_changes_the_batches_not_the_held_out_metrics():
+  """train.eval_batch_size: the same held-out rows (the first 16) in 2 batches of 8 as in 4 of
+  the train batch's 4 give the same loss; a size the mesh's batch axes do not divide is refused
+  in one line before anything runs."""
+  graphdef, params = nnx.split(models.build(smoke_config().model, seed=0), nnx.Param)
+  got = {}
+  for size, batches in ((0, 4), (8, 2)):
+    over = {"train.batch_size": "4", "train.eval_batch_size": str(size),
+            "train.eval_batches": str(batches)}  # fmt: skip
+    cfg = smoke_config(over)
+    data, seen = recorded(trainer.load_data(cfg, train=False))
+    got[size] = trainer.evaluate(params, data, graphdef=graphdef, cfg=cfg)["loss"]
+    assert [len(b["tokens"]) for b in seen] == [size or 4] * batches
+  assert got[8] == pytest.approx(got[0], rel=1e-6)
+  cfg = smoke_config({"train.eval_batch_size": "6"})
+  with pytest.raises(UserError, match=r"train.eval_batch_size=6 is not divisible by data x fsdp"):
+    parallel.check_experiment(cfg, {"data": 4, "fsdp": 1, "expert": 1, "tensor": 1})
 
 
 # Runs
