@@ -75,6 +75,14 @@ def read(workdir):
   return held, (wall, cpu), sampled
 
 
+def right(workdir, step: int) -> float:
+  """The share of held-out replies with the right sum in them at `step` (the recipe's
+  contains_answer term: the reward's part that is not the format's)."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    lines = [json.loads(line) for line in f if '"split": "eval"' in line]
+  return next((x["reward/contains_answer"] for x in lines if x["step"] == step), NAN)
+
+
 def children_cpu() -> float:
   """CPU seconds (user + system) of the finished child processes: a run's cost where the
   machine is shared, which its wall time is not."""
@@ -119,26 +127,28 @@ def main():
         run(name, seed, args.out, args.steps)
   print(
     f"| setting | overrides | seeds | held out @20 | held out @{args.steps} (each seed) "
-    "| wall (min) | CPU (min) | prompts sampled |"
+    f"| sum right @{args.steps} | wall (min) | CPU (min) | prompts sampled |"
   )
-  print("|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|")
   for name in names:
     rows = []
     for entry in sorted(os.listdir(args.out)) if os.path.isdir(args.out) else []:
       if entry.rsplit("-s", 1)[0] == name:
-        held, (wall, cpu), sampled = read(os.path.join(args.out, entry))
+        workdir = os.path.join(args.out, entry)
+        held, (wall, cpu), sampled = read(workdir)
         if args.steps in held:
-          rows.append((held.get(20, NAN), held[args.steps], wall, cpu, sampled))
+          right_at = right(workdir, args.steps)
+          rows.append((held.get(20, NAN), held[args.steps], right_at, wall, cpu, sampled))
     if not rows:
       continue
     n = len(rows)
     # Each column's mean over the seeds that have it (a run not timed by this script has no CPU).
-    mean = [float(np.nanmean([r[i] for r in rows])) for i in range(5)]
+    mean = [float(np.nanmean([r[i] for r in rows])) for i in range(6)]
     over = ", ".join(f"{k}={v}" for k, v in SETTINGS[name].items()) or "(the plain step)"
     each = " (" + ", ".join(f"{r[1]:.3f}" for r in rows) + ")" if n > 1 else ""
     print(
-      f"| {name} | {over} | {n} | {mean[0]:.3f} | {mean[1]:.3f}{each} | {mean[2] / 60:.1f} | "
-      f"{mean[3] / 60:.1f} | {mean[4]:.0f} |"
+      f"| {name} | {over} | {n} | {mean[0]:.3f} | {mean[1]:.3f}{each} | {mean[2]:.3f} | "
+      f"{mean[3] / 60:.1f} | {mean[4] / 60:.1f} | {mean[5]:.0f} |"
     )
 
 
