@@ -1,8 +1,9 @@
 """GRPO on several processes: each samples, scores and weighs its own prompts' groups, and the
 step is the trainer's. Two processes on 127.0.0.1 (one fake CPU device each, mesh data=2) against
 one process holding both devices: the same rollouts, advantages, rewards and losses, with
-single turns and with episodes that call tools; and a run stopped between the two updates of
-one rollout (grpo.num_iterations=2) resumes bit for bit."""
+single turns and with episodes that call tools; a run stopped between the two updates of one
+rollout (grpo.num_iterations=2) resumes bit for bit; and under `zoo run --restarts`, a process
+killed there brings the job back to the unbroken run's end."""
 
 import json
 import pathlib
