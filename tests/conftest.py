@@ -139,3 +139,21 @@ class Devices:
 @pytest.fixture(scope="session")
 def forced_devices() -> Devices:
   return Devices()
+
+
+@pytest.fixture(scope="session")
+def chunked_like_whole():
+  """A check for `train.loss_chunk`: `loss(params, chunk)` with the head `chunk` tokens at a time
+  gives the value and every gradient of `loss(params, 0)` (the whole logits)."""
+  import jax
+  import numpy as np
+  from flax import nnx
+
+  def check(loss, params, chunk: int, *, rtol: float = 1e-6):
+    (want, g_want), (got, g_got) = (jax.value_and_grad(loss)(params, c) for c in (0, chunk))
+    np.testing.assert_allclose(float(got), float(want), rtol=rtol)
+    for (k, a), (_, b) in zip(nnx.to_flat_state(g_want), nnx.to_flat_state(g_got), strict=True):
+      np.testing.assert_allclose(np.asarray(b[...]), np.asarray(a[...]), rtol=1e-4, atol=1e-6,
+                                 err_msg=str(k))  # fmt: skip
+
+  return check

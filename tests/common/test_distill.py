@@ -165,7 +165,7 @@ def test_teacher_gets_no_gradient_and_no_optimizer_state(smoke_cfg):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["teacher", "top_k"])
-def test_a_chunked_head_gives_the_same_loss_and_gradients(smoke_cfg, form):
+def test_a_chunked_head_gives_the_same_loss_and_gradients(smoke_cfg, form, chunked_like_whole):
   """train.loss_chunk (5 tokens at a time, chunks straddling rows and the padded end): the loss
   (JSD and next-token, mixed) and every student gradient are the whole logits', against the
   teacher's forward pass (its head chunked beside the student's) and against prepared top-k."""
@@ -184,11 +184,7 @@ def test_a_chunked_head_gives_the_same_loss_and_gradients(smoke_cfg, form):
   def loss(params, chunk):
     return task.loss_sums(nnx.merge(graphdef, params), batch, loss_chunk=chunk)[0]
 
-  (want, g_want), (got, g_got) = (jax.value_and_grad(loss)(params, c) for c in (0, 5))
-  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
-  for (k, a), (_, b) in zip(nnx.to_flat_state(g_want), nnx.to_flat_state(g_got), strict=True):
-    np.testing.assert_allclose(np.asarray(b[...]), np.asarray(a[...]), rtol=1e-4, atol=1e-6,
-                               err_msg=str(k))  # fmt: skip
+  chunked_like_whole(loss, params, 5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
