@@ -197,17 +197,23 @@ def process_rows(layout: Layout | None, batch_size: int) -> slice | None:
 
 
 def check_fits(
-  model_cfg, sizes: dict[str, int], batch_size: int, micro_batches: int = 1, seq_len: int = 0
+  model_cfg,
+  sizes: dict[str, int],
+  batch_size: int,
+  micro_batches: int = 1,
+  seq_len: int = 0,
+  eval_batch_size: int = 0,
 ):
   """The errors a mesh can cause, named before anything compiles (`seq_len`: the rows' length
-  that `mesh.context` splits)."""
+  that `mesh.context` splits; `eval_batch_size`: the held-out batch's, 0 for the train batch's)."""
   if "attention" not in model_cfg:  # a model of several stacks (CLIP's towers): each one
     for sub in model_cfg.values():
       if hasattr(sub, "get") and "attention" in sub:
-        check_fits(sub, sizes, batch_size, micro_batches, seq_len)
+        check_fits(sub, sizes, batch_size, micro_batches, seq_len, eval_batch_size)
     return
   t = sizes["tensor"]
-  batch_shards = sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1) * micro_batches
+  row_shards = sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)
+  batch_shards = row_shards * micro_batches
   att = model_cfg.attention
   problems = []
   experts = model_cfg.mlp.num_experts if model_cfg.mlp.kind == "moe" else 0
@@ -228,6 +234,11 @@ def check_fits(
     problems.append(
       f"train.batch_size={batch_size} is not divisible by data x fsdp x expert x "
       f"train.micro_batches = {batch_shards}"
+    )
+  if eval_batch_size % row_shards:
+    problems.append(
+      f"train.eval_batch_size={eval_batch_size} is not divisible by data x fsdp x expert = "
+      f"{row_shards} (give a multiple of it, or 0: train.batch_size)"
     )
   context = sizes.get("context", 1)
   if context > 1 and (not seq_len or seq_len % (2 * context)):
@@ -252,14 +263,8 @@ def check_experiment(cfg, sizes: dict[str, int]):
     cfg.train.batch_size,
     cfg.train.micro_batches,
     seq_len=cfg.data.get("seq_len", 0),
+    eval_batch_size=cfg.train.get("eval_batch_size", 0),
   )
-  held_out = cfg.train.get("eval_batch_size", 0)
-  shards = int(np.prod([sizes.get(a, 1) for a in BATCH_AXES]))
-  if held_out % shards:
-    raise UserError(
-      f"The mesh {sizes} does not fit: train.eval_batch_size={held_out} is not divisible by "
-      f"data x fsdp x expert = {shards}. Give a multiple of {shards} (or 0: train.batch_size)."
-    )
   check_pipeline(cfg, sizes)
 
 

@@ -263,7 +263,8 @@ class Distill(tasks.Task):
     T, kind, beta = float(s.temperature), s.loss, float(s.beta)
     rows = losses.next_token_rows(batch)
     inputs, targets = rows["inputs"], rows["targets"]
-    kw = dict(positions_BT=rows["positions"], segment_ids_BT=rows["segment_ids"])
+    pos, seg = rows["positions"], rows["segment_ids"]
+    kw = dict(positions_BT=pos, segment_ids_BT=seg)
 
     def against_top_k(logits, ids, teacher_logps):  # prepared: both over the teacher's ids
       teacher = jax.nn.log_softmax(teacher_logps.astype(jnp.float32) / T, -1)
@@ -295,9 +296,7 @@ class Distill(tasks.Task):
         return against_top_k(logits, *teacher), parallel.cross_entropy(logits, targets)
 
     else:  # the teacher's hidden states whole, its head a chunk at a time beside the student's
-      x, head, project = losses.hidden_and_head(
-        frozen, inputs, kw["segment_ids_BT"], kw["positions_BT"]
-      )
+      x, head, project = losses.hidden_and_head(frozen, inputs, seg, pos)
       teacher_xs = (jax.lax.stop_gradient(x),)
       head_graphdef, consts = nnx.split(head)
 
@@ -307,8 +306,8 @@ class Distill(tasks.Task):
         return d, parallel.cross_entropy(logits, targets)
 
     d, ce = losses.decoder_token_map(
-      model, inputs, kw["segment_ids_BT"], per_token, chunk=loss_chunk,
-      positions_BT=kw["positions_BT"], xs=(targets, *teacher_xs), consts=consts,
+      model, inputs, seg, per_token, chunk=loss_chunk, positions_BT=pos,
+      xs=(targets, *teacher_xs), consts=consts,
     )  # fmt: skip
     return d, ce, rows["weights"]
 

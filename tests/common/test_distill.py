@@ -174,8 +174,9 @@ def test_a_chunked_head_gives_the_same_loss_and_gradients(smoke_cfg, form, chunk
   rng = np.random.default_rng(5)
   batch = rows_batch(cfg.model.vocab_size, rng, L=9)
   if form == "teacher":
-    _, batch[tasks.FROZEN] = weights.init_from_params(distill.teacher_of(cfg).run_config())
-    task = distill.Distill(settings(loss="jsd", alpha=0.3, temperature=2.0), tasks.of(cfg).teacher)
+    teacher = tasks.of(cfg).teacher
+    _, batch[tasks.FROZEN] = weights.init_from_params(teacher.run_config())
+    task = distill.Distill(settings(loss="jsd", alpha=0.3, temperature=2.0), teacher)
   else:
     batch["teacher_ids"] = rng.integers(0, cfg.model.vocab_size, (2, 9, 4)).astype(np.int32)
     batch["teacher_logps"] = log_softmax(rng.normal(size=(2, 9, 4))).astype(np.float32)
